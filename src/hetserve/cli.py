@@ -1,0 +1,213 @@
+"""hetserve command line: generate | chat | pull | bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+
+from .core.config import EngineConfig
+from .models import registry
+
+_ENGINE_HELP = {
+    "device": "device to run on (cpu, cuda, cuda:1)",
+    "dtype": "activation dtype (float32; bfloat16/float16 fall back to float32 where they have no fast kernels)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "max_num_seqs": "most requests running at once",
+    "page_size": "tokens per KV page",
+    "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",
+    "scheduling_policy": "fcfs or shortest-prefill-first",
+    "max_model_len": "context limit (default: the model's)",
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field becomes --kebab-case with the dataclass default."""
+    g = p.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = int if f.type in ("int", "int | None") else str
+        if f.name == "device":
+            flag = "--inference-device"
+            g.add_argument("--device", dest="device", default=f.default, help=argparse.SUPPRESS)
+            g.add_argument(flag, dest="device", default=f.default, help=_ENGINE_HELP[f.name])
+            continue
+        g.add_argument(flag, dest=f.name, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=registry.DEFAULT_MODEL,
+                   help=f"a registry name ({', '.join(registry.MODELS)}) or a path to a .gguf file")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, temperature: float = 0.7) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=20)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _make_llm(args: argparse.Namespace):
+    from .llm import LLM
+
+    kw = engine_kwargs(args)
+    return LLM(model=args.model, **kw)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = sampling_params(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = llm.tokenizer.encode_chat(messages)
+    else:
+        prompt_ids = llm.encode(args.prompt)
+    t0 = time.monotonic()
+    first = None
+    for delta in llm.stream(prompt_ids, params):
+        first = first or time.monotonic()
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    out = llm.last_output
+    end = time.monotonic()
+    first_token = out.metrics.get("first_token_time") or end
+    if args.json:
+        print(json.dumps({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.finish_reason,
+            "ttft_s": round(first_token - t0, 4),
+            "e2e_s": round(end - t0, 4),
+        }, ensure_ascii=False))
+    else:
+        print()
+        n = len(out.token_ids)
+        print(f"[{n} tokens, finish={out.finish_reason}, ttft {first_token - t0:.2f}s, "
+              f"{n / max(end - t0, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("hetserve chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        reply = []
+        try:
+            for delta in llm.stream(llm.tokenizer.encode_chat(messages), params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    try:
+        path = registry.pull(args.name, force=args.force)
+    except registry.ModelNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import latency
+
+    return latency.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
+    add_model_flag(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system prompt (with --chat)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_flags(g)
+    add_engine_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    add_model_flag(c)
+    c.add_argument("--system", default=None)
+    add_sampling_flags(c)
+    add_engine_flags(c)
+    c.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="download, assemble and verify a named model into the cache")
+    p.add_argument("name", choices=sorted(registry.MODELS))
+    p.add_argument("--force", action="store_true", help="pull again even if the cached file is intact")
+    p.set_defaults(func=cmd_pull)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from .bench import latency
+
+    latency.add_parser(bsub, add_model_flag, add_engine_flags)
+    b.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except registry.ModelNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # bad flags or parameters: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

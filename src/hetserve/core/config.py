@@ -1,0 +1,44 @@
+"""Engine settings. Each field is a CLI flag (`--max-num-seqs`) and an `LLM` keyword (`max_num_seqs`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MiB', '1.5G', 1048576 -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse a memory size from {value!r} (try 2GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
+    page_size: int = 16
+    kv_cache_memory: str = "1GiB"
+    scheduling_policy: str = "fcfs"  # or shortest-prefill-first
+    max_model_len: int | None = None  # default: the model's context length
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.scheduling_policy not in ("fcfs", "shortest-prefill-first"):
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
+        parse_bytes(self.kv_cache_memory)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,130 @@
+"""EngineCore: add_request / step / abort on one device. Single-threaded, no sockets."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..kv.block_pool import BlockPool
+from ..models.decoder import DecoderModel
+from .config import EngineConfig, parse_bytes
+from .model_runner import ModelRunner
+from .request import EngineOutput, Request, RequestStatus
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here (too long for the context or the KV pool)."""
+
+
+class EngineCore:
+    def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int]):
+        self.model = model
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        per_page = model.kv_bytes_per_token() * config.page_size
+        num_pages = parse_bytes(config.kv_cache_memory) // per_page
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no page of {per_page} bytes")
+        self.pool = BlockPool(num_pages, config.page_size)
+        self.scheduler = Scheduler(config, self.pool)
+        self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
+        self.requests: dict[str, Request] = {}
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
+                 num_pages * per_page / 2**20)
+
+    # -- admission -----------------------------------------------------------------------------
+    def max_tokens_for(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Resolve max_tokens (None = up to the context) and reject requests that can never fit."""
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty")
+        limit = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = min(limit, self.pool.num_blocks * self.pool.page_size - prompt_len)
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's "
+                f"context of {self.max_model_len} tokens")
+        capacity = self.pool.num_blocks * self.pool.page_size
+        if self.pool.pages_for(total) > self.pool.num_blocks:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache of "
+                f"{capacity} tokens ({self.pool.num_blocks} pages of {self.pool.page_size}); raise --kv-cache-memory")
+        if max_tokens < 1:
+            raise RequestRejected(f"prompt ({prompt_len} tokens) leaves no room to generate within {self.max_model_len}")
+        return max_tokens
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with requests waiting (KV pool too small?)")
+            return []
+        sampled = self.runner.execute(sched.scheduled)
+        now = time.monotonic()
+        outputs = []
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            got = sampled.get(req.request_id)
+            if got is None:
+                continue
+            token, logprobs = got
+            req.all_token_ids.append(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req, status)
+            outputs.append(EngineOutput(req.request_id, [token], status is not None,
+                                        status.value if status else None, [logprobs] if logprobs else []))
+        return outputs
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @torch.inference_mode()
+    def run_until_done(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()

@@ -1,0 +1,115 @@
+"""Continuous batching under one token budget per step, with preemption by recompute.
+
+Each step: running requests first (decodes, and the next chunk of partly
+prefilled prompts), then waiting requests' prefill chunks while the budget,
+`max_num_seqs` and free pages allow. When pages run out for a running request,
+the most recently admitted running request is preempted: its pages are freed
+and it goes back to the front of the queue, keeping the tokens it generated.
+Waiting requests never preempt running ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv.block_pool import BlockPool
+from .config import EngineConfig
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool):
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reserve(self, req: Request, num_new: int) -> bool:
+        """Make sure req has pages for num_computed_tokens + num_new tokens."""
+        need = self.pool.pages_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        req.block_ids += self.pool.allocate(need)
+        return True
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._reserve(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # preempted itself: nothing older can be scheduled either
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        # 2. Waiting requests, unless this step had to preempt.
+        if not out.preempted:
+            if self.config.scheduling_policy == "shortest-prefill-first":
+                self.waiting = deque(sorted(self.waiting, key=lambda r: r.num_tokens - r.num_computed_tokens))
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._reserve(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+                self.running.append(req)
+                out.scheduled.append((req, n))
+                budget -= n
+        return out
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its pages at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free(req)
+        req.status = status
+        req.metrics.finished_time = time.monotonic()

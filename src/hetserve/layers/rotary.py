@@ -1,0 +1,51 @@
+"""Rotary position embedding (NeoX / HF "rotate_half" layout) with optional scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling=None, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:  # llama.cpp's rope_freqs.weight (llama 3 long-context factors)
+        inv = inv / freq_factors.float()
+    elif scaling is not None and scaling.kind == "linear":
+        inv = inv / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        low_wl = scaling.original_context / scaling.low_freq_factor
+        high_wl = scaling.original_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (scaling.original_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wl, inv / scaling.factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return inv
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; `apply` rotates q and k in place-free fashion for given positions."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling=None, freq_factors=None):
+        inv = inv_frequencies(head_dim, theta, scaling, freq_factors)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
+        self.cos = freqs.cos()  # [max_pos, head_dim/2]
+        self.sin = freqs.sin()
+        self.max_position = max_position
+
+    def to(self, device) -> "RotaryEmbedding":
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered once per forward and shared by every layer: [T, 1, head_dim/2]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

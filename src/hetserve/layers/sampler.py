@@ -1,0 +1,84 @@
+"""Sampling for a batch of rows, each with its own parameters and random generator.
+
+Order of processing (as in vLLM): penalties, min_tokens masking, temperature,
+top-k, top-p, min-p, then a draw. Greedy rows skip everything after penalties.
+A seeded row draws only from its own generator, so its tokens do not depend on
+its batch neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    blocked_token_ids: tuple[int, ...] = ()  # e.g. EOS while output < min_tokens
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    p = row.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = row.token_ids[row.num_prompt_tokens:]
+        if out:
+            counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=logits.shape[-1]).to(logits.dtype)
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if row.blocked_token_ids:
+        logits[list(row.blocked_token_ids)] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on one row of logits; returns the masked, scaled logits."""
+    logits = logits / p.temperature
+    vocab = logits.shape[-1]
+    if 0 < p.top_k < vocab:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens strictly before it already reach top_p.
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits: [B, V] float32 (modified in place). Returns the chosen tokens and optional top-N logprobs."""
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = logits[want].log_softmax(-1) if want else None
+    for i, row in enumerate(rows):
+        apply_penalties(logits[i], row)
+    tokens = logits.argmax(-1).tolist()
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            continue
+        probs = filter_logits(logits[i], row.params).softmax(-1)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator))
+    for j, i in enumerate(want):
+        lp = raw_logprobs[j]
+        n = rows[i].params.logprobs
+        top = torch.topk(lp, n) if n else None
+        entry = {tokens[i]: float(lp[tokens[i]])}
+        if top is not None:
+            entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
+        logprobs[i] = entry
+    return tokens, logprobs

@@ -1,0 +1,148 @@
+"""The in-process Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from .core.config import EngineConfig
+from .core.engine import EngineCore
+from .core.output_processor import RequestOutput, RequestState
+from .core.request import Request
+from .layers.dtypes import resolve_dtype
+from .models import registry
+from .models.decoder import DecoderModel
+from .models.gguf_loader import GGUFFile
+from .models.tokenizer import Tokenizer
+from .sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """One engine on one device, run in this process.
+
+    Every engine setting is a keyword argument named like its CLI flag
+    (`--max-num-seqs` is `max_num_seqs`)."""
+
+    def __init__(self, model: str = registry.DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
+                 **engine_kwargs: Any):
+        unknown = set(engine_kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        self.path = registry.resolve(model)
+        with GGUFFile(self.path) as f:
+            self.tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+            torch_dtype = resolve_dtype(dtype, device)
+            self.model = DecoderModel.from_gguf(str(self.path), torch_dtype, device, gguf_file=f)
+        self.config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
+        self.engine = EngineCore(self.model, self.config, self.tokenizer.stop_token_ids)
+        self._ids = itertools.count()
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text is tokenized as plain text (special-token spellings stay text); lists are token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams) -> RequestState:
+        req = Request(f"req-{next(self._ids)}", prompt_ids, params)
+        self.engine.add_request(req)
+        return RequestState(self.tokenizer, req)
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Copy params: the engine resolves max_tokens per request.
+        states = [self._add(self.encode(p), SamplingParams(**vars(sp))) for p, sp in zip(prompts, params)]
+        by_id = {s.req.request_id: s for s in states}
+        outputs = {s.req.request_id: self._output(s) for s in states}
+        done, generated, t0 = 0, 0, time.monotonic()
+        with tqdm(total=len(states), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for eo in self.engine.step():
+                        st = by_id[eo.request_id]
+                        generated += len(eo.new_token_ids)
+                        if self._apply(st, eo.new_token_ids, eo.finished, eo.finish_reason, outputs[eo.request_id]):
+                            done += 1
+                            bar.update(1)
+                    bar.set_postfix_str(f"{generated / max(time.monotonic() - t0, 1e-9):.1f} tok/s", refresh=False)
+            except BaseException:
+                for rid in outputs:
+                    self.engine.abort(rid)
+                raise
+        return [outputs[s.req.request_id] for s in states]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one request as they are generated; the final RequestOutput is
+        available as `self.last_output` afterwards."""
+        st = self._add(self.encode(prompt), SamplingParams(**vars(params or SamplingParams())))
+        out = self._output(st)
+        try:
+            while not out.finished:
+                for eo in self.engine.step():
+                    if eo.request_id != st.req.request_id:
+                        continue
+                    before = len(out.text)
+                    self._apply(st, eo.new_token_ids, eo.finished, eo.finish_reason, out, stream=True)
+                    if len(out.text) > before:
+                        yield out.text[before:]
+        finally:
+            if not out.finished:
+                self.engine.abort(st.req.request_id)
+            self.last_output = out
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; renders the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self.generate(ids, params, use_tqdm=use_tqdm)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    @staticmethod
+    def _output(st: RequestState) -> RequestOutput:
+        return RequestOutput(st.req.request_id, st.req.prompt_token_ids)
+
+    def _apply(self, st: RequestState, token_ids: list[int], finished: bool, reason: str | None,
+               out: RequestOutput, stream: bool = False) -> bool:
+        """Fold one engine output into the request's output; True when it just finished."""
+        delta = st.add(token_ids, finished)
+        out.text += delta
+        req = st.req
+        if st.stopped_by is not None and not finished:
+            self.engine.abort(req.request_id)  # a stop string ends it: free its pages now
+            finished, reason = True, "stop"
+        out.token_ids = req.output_token_ids
+        out.logprobs = req.logprobs
+        if not finished:
+            return False
+        out.finished, out.finish_reason = True, reason
+        if st.stopped_by is not None:
+            out.stop_reason = st.stopped_by
+        elif reason == "stop" and out.token_ids:
+            out.stop_reason = out.token_ids[-1]
+        m = req.metrics
+        out.metrics = {
+            "arrival_time": m.arrival_time,
+            "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time,
+            "finished_time": m.finished_time or time.monotonic(),
+            "num_prompt_tokens": req.num_prompt_tokens,
+            "num_output_tokens": req.num_output_tokens,
+            "num_preemptions": m.num_preemptions,
+        }
+        return True

@@ -1,0 +1,136 @@
+"""One decoder for the llama / qwen2 family: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+The forward takes a flat batch of tokens from many sequences (prefill chunks and
+decodes mixed) plus the attention metadata of the step; it knows nothing about
+requests or scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..layers.attention import AttentionMetadata, paged_attention
+from ..layers.linear import Linear
+from ..layers.norm import rms_norm
+from ..layers.rotary import RotaryEmbedding
+from .config import ModelConfig, ModelConfigError
+from .gguf_loader import GGUFFile
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: torch.Tensor
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores llama Q/K rows interleaved for its GPT-J rope; restore the HF (NeoX) order."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed: torch.Tensor,
+                 final_norm: torch.Tensor, lm_head: Linear, rope: RotaryEmbedding, dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.layers = layers
+        self.embed = embed
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rope = rope
+        self.dtype = dtype
+        self.device = device
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.load_seconds = 0.0
+
+    @classmethod
+    def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  gguf_file: GGUFFile | None = None) -> "DecoderModel":
+        t0 = time.perf_counter()
+        f = gguf_file or GGUFFile(path)
+        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
+        device = torch.device(device)
+
+        def t(name: str) -> torch.Tensor:
+            if name not in f.tensors:
+                raise ModelConfigError(f"{path}: missing tensor {name!r}")
+            return f.load_tensor(name).to(device=device, dtype=dtype)
+
+        def lin(name: str, bias: bool = False, unpermute: int = 0) -> Linear:
+            w = t(name + ".weight")
+            b = t(name + ".bias") if bias else None
+            if unpermute:
+                w = _unpermute_qk(w, unpermute)
+                b = None if b is None else _unpermute_qk(b, unpermute)
+            return Linear(w.contiguous(), b)
+
+        llama = cfg.arch == "llama"
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            layers.append(
+                DecoderLayer(
+                    attn_norm=t(p + "attn_norm.weight"),
+                    q=lin(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
+                    k=lin(p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
+                    v=lin(p + "attn_v", cfg.attention_bias),
+                    o=lin(p + "attn_output"),
+                    mlp_norm=t(p + "ffn_norm.weight"),
+                    gate=lin(p + "ffn_gate"),
+                    up=lin(p + "ffn_up"),
+                    down=lin(p + "ffn_down"),
+                )
+            )
+        embed = t("token_embd.weight")
+        head = Linear(embed) if cfg.tie_word_embeddings else lin("output")
+        factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, factors).to(device)
+        model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
+        model.load_seconds = time.perf_counter() - t0
+        return model
+
+    def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_slots, c.num_kv_heads, c.head_dim)
+        dt = dtype or self.dtype
+        return [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
+                for _ in range(c.num_layers)]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.dtype).bits // 8
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [T]; returns final hidden states [T, hidden] (after the last norm)."""
+        c = self.config
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(positions, h.dtype)
+        t = input_ids.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.attn_norm, c.rms_eps)
+            q = RotaryEmbedding.apply(layer.q(x).view(t, c.num_heads, c.head_dim), cos, sin)
+            k = RotaryEmbedding.apply(layer.k(x).view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            v = layer.v(x).view(t, c.num_kv_heads, c.head_dim)
+            h = h + layer.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+            x = rms_norm(h, layer.mlp_norm, c.rms_eps)
+            h = h + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+        return rms_norm(h, self.final_norm, c.rms_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
