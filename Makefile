@@ -1,0 +1,28 @@
+# hetserve: `make run` (set up, pull the default model, generate) and `make test`.
+VENV   ?= .venv
+PYTHON ?= python3
+PY      = $(VENV)/bin/python
+MODEL  ?= qwen2.5-coder-0.5b-instruct
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: install run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/hetserve pull $(MODEL)
+	$(VENV)/bin/hetserve generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 160 --temperature 0
+
+test: install
+	$(PY) -m pytest -q -ra
+
+bench: install
+	$(VENV)/bin/hetserve bench latency --model $(MODEL) --prompt-tokens 512 --output-tokens 128
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

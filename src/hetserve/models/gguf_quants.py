@@ -1,0 +1,199 @@
+"""Vectorized torch dequantization of GGML tensor types.
+
+Every quantized type is a sequence of fixed-size blocks (``GGML_QUANT_SIZES``
+gives elements per block and bytes per block).  We view the raw bytes as a
+``[n_blocks, type_size]`` uint8 matrix and decode all blocks at once with torch
+bit ops, so the work runs in torch's (multi-threaded) kernels instead of Python.
+
+Layouts follow ggml-common.h; the numpy reference in ``gguf.quants`` uses the
+same operation order, which is why our results match it bit for bit (we keep
+multiplies and subtracts as separate ops rather than fusing them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+__all__ = ["SUPPORTED_TYPES", "dequantize", "tensor_nbytes"]
+
+QK_K = 256
+
+# Large tensors are decoded in slices of about this many elements.  Each step
+# creates several temporaries the size of the slice, so slicing bounds peak
+# memory (a 136M-element embedding would otherwise need several GB of scratch)
+# and keeps the working set closer to cache, while still being big enough for
+# torch's intra-op threading to pay off and per-op Python overhead to vanish.
+_CHUNK_ELEMENTS = 1 << 20
+
+# Reused shift vectors; shifting a broadcast view unpacks several bit fields
+# per byte in one op.
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def tensor_nbytes(qtype: T, n_elements: int) -> int:
+    """Bytes occupied by ``n_elements`` values stored as ``qtype``."""
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown GGML type {qtype!r}") from None
+    if n_elements < 0 or n_elements % block_size:
+        raise ValueError(
+            f"{T(qtype).name}: element count {n_elements} is not a multiple of "
+            f"the block size {block_size}"
+        )
+    return n_elements // block_size * type_size
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    # [n, 2] byte slice -> [n, 1] float32.  The copy makes the slice contiguous
+    # so the dtype view is legal whatever the block stride; it is 2 bytes/block.
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    # Split each run of `group` bytes into its low nibbles followed by its high
+    # nibbles, the order ggml packs 4-bit quants in.
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, group)
+    return torch.cat([q & 0x0F, q >> 4], dim=2).view(n, -1)
+
+
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    # Bytes -> their bits in little-endian order: output k is bit k%8 of byte
+    # k//8, i.e. bit k of the little-endian integer the bytes spell.  Avoids
+    # uint32 shifts, which torch supports poorly on CPU.
+    return ((qh.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(qh.shape[0], -1)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Q4_K/Q5_K pack 8 six-bit scales and 8 six-bit mins into 12 bytes:
+    # bytes 0-3 hold scales 0-3 (low 6 bits) plus the top 2 bits of scales 4-7,
+    # bytes 4-7 likewise for the mins, bytes 8-11 hold the low nibbles of
+    # scales 4-7 (low half) and mins 4-7 (high half).
+    s = s.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc.float(), mn.float()
+
+
+# Block decoders: b is [n, type_size] uint8, out is [n, block_size] float32
+# (contiguous) and receives the result of the final op.
+
+def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 2:18], 16).float().sub_(8)
+    torch.mul(q, d, out=out)
+
+
+def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    d = _f16(b[:, 0:2])
+    # Bit j of the 32-bit qh is the fifth bit of element j.
+    q = _nibbles(b[:, 6:22], 16)
+    q |= _bits(b[:, 2:6]) << 4
+    torch.mul(q.float().sub_(16), d, out=out)
+
+
+def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    d = _f16(b[:, 0:2])
+    torch.mul(b[:, 2:34].view(torch.int8).float(), d, out=out)
+
+
+def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    scale = (d * sc).unsqueeze(-1)
+    offset = (dmin * mn).unsqueeze(-1)
+    # 4 runs of 32 bytes; each run holds two 32-element sub-blocks.
+    q = _nibbles(b[:, 16:144], 32).float().view(n, 8, 32)
+    torch.sub(scale * q, offset, out=out.view(n, 8, 32))
+
+
+def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    scale = (d * sc).unsqueeze(-1)
+    offset = (dmin * mn).unsqueeze(-1)
+    ql = _nibbles(b[:, 48:176], 32).view(n, 8, 32)
+    # qh[j] bit k is the fifth bit of element j of sub-block k.
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> _BIT_SHIFTS.view(1, 8, 1)) & 1
+    ql |= qh << 4
+    q = ql.float()
+    torch.sub(scale * q, offset, out=out.view(n, 8, 32))
+
+
+def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    # Two 128-element halves; in each, 64 ql bytes give the low nibbles of
+    # elements 0-63 then high nibbles for 64-127, and 32 qh bytes give 2-bit
+    # pairs for elements (32*s + j) at shift 2*s.
+    ql = _nibbles(b[:, 0:128], 64)
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS.view(1, 1, 4, 1)) & 3
+    ql |= qh.view(n, -1) << 4
+    q = ql.float().sub_(32)
+    scale = b[:, 192:208].view(torch.int8).float() * _f16(b[:, 208:210])
+    torch.mul(scale.unsqueeze(-1), q.view(n, 16, 16), out=out.view(n, 16, 16))
+
+
+def _q8_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    # float32 d, 256 int8 quants, then 16 int16 partial sums we do not need.
+    d = b[:, 0:4].contiguous().view(torch.float32)
+    torch.mul(b[:, 4:260].view(torch.int8).float(), d, out=out)
+
+
+_BLOCK_DECODERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    T.Q4_0: _q4_0,
+    T.Q5_0: _q5_0,
+    T.Q8_0: _q8_0,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
+    T.Q8_K: _q8_k,
+}
+
+_FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+SUPPORTED_TYPES: frozenset[T] = frozenset(_FLOAT_DTYPES) | frozenset(_BLOCK_DECODERS)
+
+
+def dequantize(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
+    """Decode ``raw`` (1-D uint8, exactly the tensor's bytes) to float32 ``shape``.
+
+    F32 input is returned as a zero-copy view of ``raw``; every other type
+    yields a new tensor.
+    """
+    qtype = T(qtype)
+    if qtype not in SUPPORTED_TYPES:
+        raise NotImplementedError(f"dequantization of {qtype.name} is not supported")
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise ValueError(f"raw must be a 1-D uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+    shape = tuple(int(s) for s in shape)
+    n_elements = math.prod(shape)
+    expected = tensor_nbytes(qtype, n_elements)
+    if raw.numel() != expected:
+        raise ValueError(
+            f"{qtype.name} {shape}: expected {expected} bytes, got {raw.numel()}"
+        )
+
+    if qtype in _FLOAT_DTYPES:
+        dtype = _FLOAT_DTYPES[qtype]
+        if raw.storage_offset() % dtype.itemsize or not raw.is_contiguous():
+            raw = raw.clone()  # a dtype view needs an aligned, dense start
+        return raw.view(dtype).float().view(shape)  # .float() is a no-op for F32
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = n_elements // block_size
+    blocks = raw.reshape(n_blocks, type_size)
+    out = torch.empty(n_blocks, block_size, dtype=torch.float32)
+    decode = _BLOCK_DECODERS[qtype]
+    step = max(1, _CHUNK_ELEMENTS // block_size)
+    for start in range(0, n_blocks, step):
+        decode(blocks[start:start + step], out[start:start + step])
+    return out.view(shape)

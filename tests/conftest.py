@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random GGUF models (written here) and the real 0.5B model (pulled once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import write_tiny_gguf  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+REAL_05B = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(d / "tiny-qwen2.gguf", "qwen2")
+    write_tiny_gguf(d / "tiny-llama.gguf", "llama", tied=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_dir) -> str:
+    return str(tiny_dir / "tiny-qwen2.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dir) -> str:
+    return str(tiny_dir / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def real_05b() -> str:
+    """Path of the real Qwen2.5-Coder-0.5B GGUF: pulled into the cache on first use, then reused."""
+    from hetserve.models import registry
+
+    return str(registry.resolve(REAL_05B))
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    with open(DATA / "qwen05_reference.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_05b):
+    from hetserve import LLM
+
+    return LLM(model=real_05b, kv_cache_memory="512MiB")
