@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -172,16 +171,3 @@ def remove(name: str) -> None:
     for p in (dest, _verified_marker(dest)):
         if p.exists():
             p.unlink()
-
-
-def copy_into_cache(name: str, src: Path) -> Path:
-    """Used by tests and offline set-ups: install an already assembled file after verifying it."""
-    spec = MODELS[name]
-    problem = verify(spec, src)
-    if problem:
-        raise ModelNotFound(f"{src}: {problem}")
-    dest = cache_dir() / spec.filename
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dest)
-    _verified_marker(dest).write_text(_stamp(dest))
-    return dest
