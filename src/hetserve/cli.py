@@ -21,6 +21,9 @@ _ENGINE_HELP = {
     "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",
     "scheduling_policy": "fcfs or shortest-prefill-first",
     "max_model_len": "context limit (default: the model's)",
+    "kv_cache": "KV layout: paged, or contiguous (prompt + max_tokens reserved per request, for comparison)",
+    "deterministic": "greedy output independent of batch neighbours and prefill chunking (slower)",
+    "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
 }
 
 
@@ -30,6 +33,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else str
+        if f.type == "bool":
+            g.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=_ENGINE_HELP[f.name])
+            continue
         if f.name == "device":
             flag = "--inference-device"
             g.add_argument("--device", dest="device", default=f.default, help=argparse.SUPPRESS)
@@ -76,8 +82,8 @@ def _make_llm(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad parameters fail before the model loads
     llm = _make_llm(args)
-    params = sampling_params(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -112,8 +118,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
     params = sampling_params(args)
+    llm = _make_llm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("hetserve chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:

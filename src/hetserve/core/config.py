@@ -29,6 +29,9 @@ class EngineConfig:
     kv_cache_memory: str = "1GiB"
     scheduling_policy: str = "fcfs"  # or shortest-prefill-first
     max_model_len: int | None = None  # default: the model's context length
+    kv_cache: str = "paged"  # or contiguous: each request reserves prompt + max_tokens up front
+    deterministic: bool = False  # batch- and chunking-invariant greedy output
+    gemv_max_rows: int = 0  # per-row matrix-vector products for 2..N rows (0 = off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "page_size"):
@@ -37,6 +40,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.scheduling_policy not in ("fcfs", "shortest-prefill-first"):
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
+        if self.kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"unknown KV cache layout {self.kv_cache!r} (paged or contiguous)")
+        if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
+            raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
 
     @classmethod

@@ -30,6 +30,8 @@ class EngineCore:
         num_pages = parse_bytes(config.kv_cache_memory) // per_page
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no page of {per_page} bytes")
+        model.policy.deterministic = config.deterministic
+        model.policy.gemv_max_rows = config.gemv_max_rows
         self.pool = BlockPool(num_pages, config.page_size)
         self.scheduler = Scheduler(config, self.pool)
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids)

@@ -17,6 +17,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_caches = model.allocate_kv_cache(num_pages * page_size)
 
+    @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Run the scheduled tokens; returns {request_id: (token, logprobs)} for requests that
         reach the end of their known tokens this step (last prompt chunk or a decode)."""
@@ -34,7 +35,8 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sample_reqs.append(req)
         dev = self.model.device
-        meta = AttentionMetadata.build(qlens, clens, tables, self.page_size, dev)
+        meta = AttentionMetadata.build(qlens, clens, tables, self.page_size, dev,
+                                       per_query=self.model.policy.deterministic)
         hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                                     self.kv_caches)
         if not sample_reqs:

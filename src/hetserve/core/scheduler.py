@@ -48,9 +48,18 @@ class Scheduler:
         need = self.pool.pages_for(req.num_computed_tokens + num_new) - len(req.block_ids)
         if need <= 0:
             return True
+        total = self.pool.pages_for(req.num_prompt_tokens + req.params.max_tokens)
+        if self.config.kv_cache == "contiguous":
+            # Preallocated per-request buffer: the whole prompt + max_tokens, consecutive, at admission.
+            pages = self.pool.allocate_contiguous(total)
+            if pages is None:
+                return False
+            req.block_ids = pages
+            return True
         if need > self.pool.num_free:
             return False
-        req.block_ids += self.pool.allocate(need)
+        last = req.block_ids[-1] if req.block_ids else None
+        req.block_ids += self.pool.allocate(need, after=last, total_hint=total)
         return True
 
     def free(self, req: Request) -> None:

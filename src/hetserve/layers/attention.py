@@ -1,12 +1,17 @@
-"""Paged attention over a flat slot-addressed KV cache.
+"""Paged attention over a flat, slot-addressed KV cache.
 
-The KV cache of one layer is a tensor [num_slots, kv_heads, head_dim] where
-slot = page * page_size + offset. New K/V rows are scattered into their slots;
-each sequence then reads its context through one gathered index built once per
-step (shared by all layers), so no per-layer, per-page concatenation happens.
+The KV cache of one layer is a tensor [num_slots, kv_heads, head_dim] with
+slot = page * page_size + offset. New K/V rows are scattered into their slots.
+Each sequence then attends over its context: when its pages are consecutive
+(the block pool places them so) the context is a plain slice of the cache, read
+in place; otherwise it is gathered through one index built once per step.
 
 GQA without repeating K/V: the query heads that share a KV head are folded
-into the query-length axis, so SDPA runs with kv_heads heads.
+into the query axis, so SDPA runs with kv_heads heads.
+
+Deterministic mode computes every prompt token's attention as its own call
+over exactly the keys it may see, so a token's result does not depend on how
+its prompt was chunked or what else ran in the step.
 """
 
 from __future__ import annotations
@@ -18,51 +23,55 @@ import torch.nn.functional as F
 
 
 @dataclass
+class SeqAttention:
+    q_start: int  # first row of this sequence in the flat batch
+    q_len: int
+    ctx_len: int  # context length including the new tokens
+    kv_start: int | None  # first slot when the context is one consecutive range
+    kv_index: torch.Tensor | None  # else: slots of the context
+    mask: torch.Tensor | None  # [q_len, ctx_len] causal mask for multi-token queries
+    folded_mask: torch.Tensor | None = None  # the mask per folded query row, made by the first layer
+
+    def attn_mask(self, group: int) -> torch.Tensor | None:
+        if self.mask is not None and self.folded_mask is None:
+            self.folded_mask = self.mask.repeat_interleave(group, dim=0)
+        return self.folded_mask
+
+
+@dataclass
 class AttentionMetadata:
-    """Everything a forward needs to place and read K/V; built once per step."""
+    """Everything a forward needs to place and read K/V; built once per step, shared by layers."""
 
     slot_mapping: torch.Tensor  # [T] slot of each new token
-    gather_index: torch.Tensor  # [B, Lmax] slots of each sequence's whole context (padded)
-    query_index: torch.Tensor | None  # [T] row of each token in the padded [B*Qmax] layout; None if no padding
-    mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend; None = attend everything
-    batch: int
-    max_query: int
+    seqs: list[SeqAttention]
+    per_query: bool = False
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], page_size: int,
-              device: torch.device) -> "AttentionMetadata":
-        """query_lens[i] new tokens at the end of a context of context_lens[i] tokens (new included)."""
-        b = len(query_lens)
-        qmax, lmax = max(query_lens), max(context_lens)
-        slots, gather = [], torch.zeros(b, lmax, dtype=torch.long)
-        for i, (q, n, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            pages = torch.tensor(table[: (n + page_size - 1) // page_size], dtype=torch.long)
-            seq_slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
-            gather[i, :n] = seq_slots
-            slots.append(seq_slots[n - q:])
-        slot_mapping = torch.cat(slots)
-        uniform = all(q == qmax for q in query_lens)
-        query_index = None
-        if not uniform:
-            query_index = torch.cat([torch.arange(q) + i * qmax for i, q in enumerate(query_lens)])
-        mask = None
-        if qmax > 1 or any(n != lmax for n in context_lens):
-            ctx = torch.tensor(context_lens)[:, None, None]
-            qlen = torch.tensor(query_lens)[:, None, None]
-            qpos = torch.arange(qmax)[None, :, None]
-            kpos = torch.arange(lmax)[None, None, :]
-            # Query j of sequence i sits at absolute position ctx - q + j; it sees keys up to there.
-            mask = kpos <= (ctx - qlen + qpos)
-            mask |= (qpos >= qlen) & (kpos == 0)  # padded query rows: attend one key, avoid NaN
-            mask = mask.unsqueeze(1)
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            gather_index=gather.to(device),
-            query_index=None if query_index is None else query_index.to(device),
-            mask=None if mask is None else mask.to(device),
-            batch=b,
-            max_query=qmax,
-        )
+              device: torch.device, per_query: bool = False) -> "AttentionMetadata":
+        """query_lens[i] new tokens at the end of a context of context_lens[i] tokens."""
+        slots, seqs, q_start = [], [], 0
+        for q, n, table in zip(query_lens, context_lens, block_tables):
+            pages = table[: -(-n // page_size)]
+            first = pages[0] * page_size
+            consecutive = all(b == pages[0] + i for i, b in enumerate(pages))
+            if consecutive:
+                seq_slots = torch.arange(first + n - q, first + n)
+                kv_start, kv_index = first, None
+            else:
+                all_slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+                seq_slots, kv_start, kv_index = all_slots[n - q:], None, all_slots.to(device)
+            mask = None
+            if q > 1 and not per_query:
+                mask = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).to(device)
+            slots.append(seq_slots)
+            seqs.append(SeqAttention(q_start, q, n, kv_start, kv_index, mask))
+            q_start += q
+        return cls(torch.cat(slots).to(device), seqs, per_query)
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -70,23 +79,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; returns [T, heads * d]."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
-    group = heads // kv_heads
+    g = heads // kv_heads
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    b, qmax = meta.batch, meta.max_query
-    keys = k_cache[meta.gather_index].to(q.dtype).permute(0, 2, 1, 3)  # [B, kvh, L, d]
-    values = v_cache[meta.gather_index].to(q.dtype).permute(0, 2, 1, 3)
-    if meta.query_index is not None:
-        padded = q.new_zeros(b * qmax, heads, d)
-        padded[meta.query_index] = q
-        q = padded
-    # [B, Q, kvh, g, d] -> [B, kvh, Q*g, d]
-    qg = q.view(b, qmax, kv_heads, group, d).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, qmax * group, d)
-    mask = meta.mask
-    if mask is not None and group > 1:
-        mask = mask.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(b, kv_heads, qmax, group, d).permute(0, 2, 1, 3, 4).reshape(b * qmax, heads * d)
-    if meta.query_index is not None:
-        out = out[meta.query_index]
+    out = q.new_empty(t, heads * d)
+    for s in meta.seqs:
+        if s.kv_index is None:
+            keys, values = k_cache[s.kv_start:s.kv_start + s.ctx_len], v_cache[s.kv_start:s.kv_start + s.ctx_len]
+        else:
+            keys, values = k_cache[s.kv_index], v_cache[s.kv_index]
+        keys = keys.to(q.dtype).transpose(0, 1)  # [kvh, C, d], a strided view when read in place
+        values = values.to(q.dtype).transpose(0, 1)
+        rows = q[s.q_start:s.q_start + s.q_len]
+        if meta.per_query and s.q_len > 1:
+            first = s.ctx_len - s.q_len
+            for j in range(s.q_len):
+                n = first + j + 1
+                o = _sdpa(rows[j].view(kv_heads, g, d), keys[:, :n], values[:, :n], None, scale)
+                out[s.q_start + j] = o.reshape(-1)
+            continue
+        qg = rows.view(s.q_len, kv_heads, g, d).transpose(0, 1).reshape(kv_heads, s.q_len * g, d)
+        o = _sdpa(qg, keys, values, s.attn_mask(g), scale)
+        out[s.q_start:s.q_start + s.q_len] = o.view(kv_heads, s.q_len, g, d).transpose(0, 1).reshape(s.q_len, -1)
     return out

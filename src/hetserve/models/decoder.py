@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.attention import AttentionMetadata, paged_attention
-from ..layers.linear import Linear
+from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig, ModelConfigError
@@ -55,6 +55,7 @@ class DecoderModel:
         self.device = device
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.load_seconds = 0.0
+        self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -63,6 +64,7 @@ class DecoderModel:
         f = gguf_file or GGUFFile(path)
         cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
         device = torch.device(device)
+        policy = MatmulPolicy()
 
         def t(name: str) -> torch.Tensor:
             if name not in f.tensors:
@@ -75,7 +77,7 @@ class DecoderModel:
             if unpermute:
                 w = _unpermute_qk(w, unpermute)
                 b = None if b is None else _unpermute_qk(b, unpermute)
-            return Linear(w.contiguous(), b)
+            return Linear(w.contiguous(), b, policy)
 
         llama = cfg.arch == "llama"
         layers = []
@@ -95,7 +97,7 @@ class DecoderModel:
                 )
             )
         embed = t("token_embd.weight")
-        head = Linear(embed) if cfg.tie_word_embeddings else lin("output")
+        head = Linear(embed, None, policy) if cfg.tie_word_embeddings else lin("output")
         factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, factors).to(device)
         model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
