@@ -159,12 +159,6 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import latency
-
-    return latency.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -192,12 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="pull again even if the cached file is intact")
     p.set_defaults(func=cmd_pull)
 
-    b = sub.add_parser("bench", help="benchmarks")
+    b = sub.add_parser("bench", help="benchmarks (each compares two things in one run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import latency
+    from .bench import BENCHMARKS
 
-    latency.add_parser(bsub, add_model_flag, add_engine_flags)
-    b.set_defaults(func=cmd_bench)
+    for mod in BENCHMARKS:
+        mod.add_parser(bsub, add_model_flag, add_engine_flags)
     return ap
 
 

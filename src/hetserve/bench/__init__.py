@@ -1,1 +1,5 @@
+"""Benchmarks under `hetserve bench ...`; they use only public APIs (Python API, CLI, HTTP)."""
 
+from . import kv_layout, latency, matmul, throughput
+
+BENCHMARKS = (latency, throughput, kv_layout, matmul)

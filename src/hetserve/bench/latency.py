@@ -116,3 +116,4 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     add_engine_flags(p)
+    p.set_defaults(func=main)

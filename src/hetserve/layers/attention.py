@@ -71,7 +71,8 @@ class AttentionMetadata:
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # 4-D inputs take the fused CPU kernel; 3-D ones fall back to the slower math path.
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,0 +1,77 @@
+"""`hetserve bench kv-layout`: decode tok/s with the paged vs the contiguous KV cache.
+
+For each context length and sequence count, both layouts run the same prompts
+(greedy, EOS ignored). Decode tok/s counts the tokens generated after every
+request had its first token, over the time from then to the end, so prefill is
+excluded. Paged placement keeps a request's pages consecutive where it can, so
+attention reads them in place; the contiguous layout reserves prompt + max_tokens
+per request at admission.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+from .throughput import make_prompts
+
+
+def decode_rate(outs) -> float:
+    start = max(o.metrics["first_token_time"] for o in outs)
+    end = max(o.metrics["finished_time"] for o in outs)
+    tokens = sum(sum(1 for _ in o.token_ids) - 1 for o in outs)
+    return tokens / (end - start)
+
+
+def main(args) -> int:
+    from ..cli import engine_kwargs
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+
+    kw = engine_kwargs(args)
+    kw.pop("kv_cache")
+    kw.pop("max_num_seqs")
+    llms = {layout: LLM(model=args.model, kv_cache=layout, max_num_seqs=max(args.seqs), **kw)
+            for layout in ("paged", "contiguous")}
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for ctx in args.contexts:
+        for n in args.seqs:
+            prompts = make_prompts(llms["paged"].tokenizer, n, ctx)
+            rates = {}
+            for layout, llm in llms.items():
+                samples = []
+                for _ in range(args.runs):
+                    t = time.monotonic()
+                    samples.append(decode_rate(llm.generate(prompts, params, use_tqdm=False)))
+                    print(f"ctx={ctx} seqs={n} {layout}: {samples[-1]:.2f} tok/s "
+                          f"({time.monotonic() - t:.0f}s)", file=sys.stderr)
+                rates[layout] = statistics.median(samples)
+            rows.append({"context": ctx, "seqs": n, "paged_tok_s": round(rates["paged"], 2),
+                         "contiguous_tok_s": round(rates["contiguous"], 2),
+                         "ratio": round(rates["paged"] / rates["contiguous"], 3)})
+    print(f"{'context':>8}{'seqs':>6}{'paged tok/s':>13}{'contiguous tok/s':>18}{'paged/contig':>14}")
+    for r in rows:
+        print(f"{r['context']:>8}{r['seqs']:>6}{r['paged_tok_s']:>13.2f}{r['contiguous_tok_s']:>18.2f}{r['ratio']:>14.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "kv-layout", "model": args.model, "command": " ".join(sys.argv),
+                       "rows": rows}, f, indent=2)
+    return 0
+
+
+def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+    p = sub.add_parser("kv-layout", help="decode tok/s, paged vs contiguous KV cache")
+    add_model_flag(p)
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=1, help="runs per cell (median)")
+    p.add_argument("--out", default=None)
+    add_engine_flags(p)
+    for action in p._actions:
+        if action.dest == "kv_cache_memory":
+            action.default = "2GiB"
+    p.set_defaults(func=main)
