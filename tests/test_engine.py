@@ -178,3 +178,17 @@ def test_logprobs(llm):
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp and len(lp) == 3  # greedy token is the top-1
         assert lp[tok] == max(lp.values()) and all(v <= 0 for v in lp.values())
+
+
+@pytest.mark.parametrize("policy,expected", [("fcfs", ["long", "mid", "short"]),
+                                             ("shortest-prefill-first", ["short", "mid", "long"])])
+def test_scheduling_policy_orders_admission(tiny_qwen2, policy, expected):
+    llm = make_llm(tiny_qwen2, max_num_seqs=1, scheduling_policy=policy)
+    eng = llm.engine
+    for rid, n in (("long", 30), ("mid", 12), ("short", 3)):
+        eng.add_request(Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert finished == expected
+    assert eng.num_free_pages == eng.pool.num_blocks

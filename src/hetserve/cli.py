@@ -23,6 +23,9 @@ _ENGINE_HELP = {
     "max_model_len": "context limit (default: the model's)",
     "kv_cache": "KV layout: paged, or contiguous (prompt + max_tokens reserved per request, for comparison)",
     "deterministic": "greedy output independent of batch neighbours and prefill chunking (slower)",
+    "enable_prefix_caching": "reuse the KV pages of earlier prompts with the same prefix",
+    "prefix_publish": "when pages become reusable: incremental (after every step) or completion (at the end)",
+    "single_flight": "identical prompts in flight: off, at-completion or after-prefill (followers wait for the leader)",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
 }
 
@@ -34,7 +37,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else str
         if f.type == "bool":
-            g.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=_ENGINE_HELP[f.name])
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            g.add_argument(flag, dest=f.name, action=action, default=f.default, help=_ENGINE_HELP[f.name])
             continue
         if f.name == "device":
             flag = "--inference-device"

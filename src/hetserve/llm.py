@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .core.config import EngineConfig
 from .core.engine import EngineCore
 from .core.output_processor import RequestOutput, RequestState
-from .core.request import Request
+from .core.request import Request, RequestStatus
 from .layers.dtypes import resolve_dtype
 from .models import registry
 from .models.decoder import DecoderModel
@@ -40,7 +40,8 @@ class LLM:
             torch_dtype = resolve_dtype(dtype, device)
             self.model = DecoderModel.from_gguf(str(self.path), torch_dtype, device, gguf_file=f)
         self.config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
-        self.engine = EngineCore(self.model, self.config, self.tokenizer.stop_token_ids)
+        model_id = f"{self.model.config.arch}:{self.model.config.name}:{self.path.stat().st_size}"
+        self.engine = EngineCore(self.model, self.config, self.tokenizer.stop_token_ids, model_id=model_id)
         self._ids = itertools.count()
 
     # -- prompts ----------------------------------------------------------------------------------
@@ -124,10 +125,11 @@ class LLM:
         out.text += delta
         req = st.req
         if st.stopped_by is not None and not finished:
-            self.engine.abort(req.request_id)  # a stop string ends it: free its pages now
+            self.engine.abort(req.request_id, RequestStatus.FINISHED_STOPPED)  # free its pages now
             finished, reason = True, "stop"
         out.token_ids = req.output_token_ids
         out.logprobs = req.logprobs
+        out.num_cached_tokens = req.num_cached_tokens
         if not finished:
             return False
         out.finished, out.finish_reason = True, reason

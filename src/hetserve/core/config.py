@@ -31,6 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     kv_cache: str = "paged"  # or contiguous: each request reserves prompt + max_tokens up front
     deterministic: bool = False  # batch- and chunking-invariant greedy output
+    enable_prefix_caching: bool = True
+    prefix_publish: str = "incremental"  # or completion: pages become reusable when a request ends
+    single_flight: str = "after-prefill"  # or at-completion, off
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
 
     def __post_init__(self) -> None:
@@ -42,6 +45,10 @@ class EngineConfig:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if self.kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"unknown KV cache layout {self.kv_cache!r} (paged or contiguous)")
+        if self.prefix_publish not in ("incremental", "completion"):
+            raise ValueError(f"unknown prefix publication policy {self.prefix_publish!r} (incremental or completion)")
+        if self.single_flight not in ("off", "at-completion", "after-prefill"):
+            raise ValueError(f"unknown single-flight mode {self.single_flight!r} (off, at-completion, after-prefill)")
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
         parse_bytes(self.kv_cache_memory)

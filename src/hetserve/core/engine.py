@@ -8,8 +8,10 @@ import time
 import torch
 
 from ..kv.block_pool import BlockPool
+from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
 from .config import EngineConfig, parse_bytes
+from .flight import FlightCoordinator
 from .model_runner import ModelRunner
 from .request import EngineOutput, Request, RequestStatus
 from .scheduler import Scheduler
@@ -22,7 +24,8 @@ class RequestRejected(ValueError):
 
 
 class EngineCore:
-    def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int]):
+    def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int],
+                 model_id: str | None = None):
         self.model = model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -33,7 +36,12 @@ class EngineCore:
         model.policy.deterministic = config.deterministic
         model.policy.gemv_max_rows = config.gemv_max_rows
         self.pool = BlockPool(num_pages, config.page_size)
-        self.scheduler = Scheduler(config, self.pool)
+        # The contiguous layout reserves whole regions per request, so it shares no pages.
+        caching = config.enable_prefix_caching and config.kv_cache == "paged"
+        self.prefix_cache = PrefixCache(self.pool, model_id or model.config.name) if caching else None
+        self.flights = FlightCoordinator(config.single_flight if caching else "off")
+        self.held: dict[str, Request] = {}  # single-flight followers waiting for their leader
+        self.scheduler = Scheduler(config, self.pool, self.prefix_cache)
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.requests: dict[str, Request] = {}
@@ -71,17 +79,38 @@ class EngineCore:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        # Only prompts longer than a page have a full page to share.
+        if req.num_prompt_tokens <= self.pool.page_size or \
+                self.flights.add(req.request_id, (tuple(req.prompt_token_ids), req.cache_salt)):
+            self.scheduler.add(req)
+        else:
+            self.held[req.request_id] = req
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """End a request now and free its pages. A frontend that matched a stop string ends it
+        with FINISHED_STOPPED: that counts as a completion (its pages are published)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.held.pop(request_id, None)
+        completed = status is not RequestStatus.FINISHED_ABORTED
+        if completed:
+            self.scheduler.publish(req)
+        self.scheduler.finish(req, status)
+        self._ended(req, completed)
         return True
 
+    def _ended(self, req: Request, completed: bool) -> None:
+        if self.flights.role(req.request_id) is not None:
+            self._run(self.flights.end(req.request_id, completed))
+
+    def _run(self, request_ids: list[str]) -> None:
+        """Move released followers (or a promoted leader) into the scheduler's queue."""
+        for rid in request_ids:
+            self.scheduler.add(self.held.pop(rid))
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.held)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -93,8 +122,14 @@ class EngineCore:
         sampled = self.runner.execute(sched.scheduled)
         now = time.monotonic()
         outputs = []
+        incremental = self.config.prefix_publish == "incremental"
         for req, n in sched.scheduled:
+            was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += n
+            if incremental:
+                self.scheduler.publish(req)
+            if was_prefilling and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._run(self.flights.prefill_done(req.request_id, release=incremental))
             got = sampled.get(req.request_id)
             if got is None:
                 continue
@@ -107,7 +142,9 @@ class EngineCore:
             status = self._stop_status(req, token)
             if status is not None:
                 self.requests.pop(req.request_id, None)
+                self.scheduler.publish(req)
                 self.scheduler.finish(req, status)
+                self._ended(req, completed=True)
             outputs.append(EngineOutput(req.request_id, [token], status is not None,
                                         status.value if status else None, [logprobs] if logprobs else []))
         return outputs
@@ -124,7 +161,13 @@ class EngineCore:
     # -- introspection ---------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
+        """Pages no request reads (clean or evictable cached pages)."""
         return self.pool.num_free
+
+    def prefix_cache_stats(self) -> dict:
+        if self.prefix_cache is None:
+            return {}
+        return self.prefix_cache.stats.as_dict(self.prefix_cache.num_cached_pages)
 
     @torch.inference_mode()
     def run_until_done(self) -> None:

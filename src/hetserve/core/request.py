@@ -38,7 +38,7 @@ class Request:
     progress (prefill chunks, decodes, resumption after preemption) is the same rule."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -48,6 +48,10 @@ class Request:
         self.block_ids: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.logprobs: list[dict[int, float]] = []
+        self.cache_salt = cache_salt
+        self.page_hashes: list[bytes] = []  # prefix-cache hashes of full pages, extended lazily
+        self.num_published_pages = 0
+        self.num_cached_tokens = 0  # prompt tokens restored from the prefix cache at admission
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv.block_pool import BlockPool
+from ..kv.prefix_cache import PrefixCache, chain_hashes
 from .config import EngineConfig
 from .request import Request, RequestStatus
 
@@ -30,9 +31,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool):
+    def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -66,10 +68,45 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids = []
 
+    # -- prefix cache ------------------------------------------------------------------------------
+    def _hashes(self, req: Request) -> list[bytes]:
+        """Hashes of every full page of the request's tokens (extended as tokens are added)."""
+        cache = self.prefix_cache
+        if len(req.page_hashes) < req.num_tokens // self.pool.page_size:
+            parent = req.page_hashes[-1] if req.page_hashes else cache.root(req.cache_salt)
+            req.page_hashes += chain_hashes(parent, req.all_token_ids, self.pool.page_size,
+                                            start=len(req.page_hashes), parent=parent)
+        return req.page_hashes
+
+    def _restore(self, req: Request) -> None:
+        """At admission, start from the longest cached prefix (a resumed request re-hits its own pages)."""
+        if self.prefix_cache is None or req.block_ids or req.num_computed_tokens:
+            return
+        pages = self.prefix_cache.lookup(self._hashes(req), req.all_token_ids)
+        req.block_ids = pages
+        req.num_computed_tokens = len(pages) * self.pool.page_size
+        req.num_published_pages = len(pages)
+        if req.metrics.first_scheduled_time is None:
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+
+    def publish(self, req: Request) -> None:
+        """Make the request's computed full pages reusable (never tokens whose KV is not computed)."""
+        if self.prefix_cache is None:
+            return
+        ps = self.pool.page_size
+        full = req.num_computed_tokens // ps
+        if full <= req.num_published_pages:
+            return
+        hashes = self._hashes(req)
+        for i in range(req.num_published_pages, full):
+            self.prefix_cache.publish(req.block_ids[i], hashes[i], req.all_token_ids[i * ps:(i + 1) * ps])
+        req.num_published_pages = full
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.free(victim)
         victim.num_computed_tokens = 0
+        victim.num_published_pages = 0
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -101,8 +138,11 @@ class Scheduler:
                 self.waiting = deque(sorted(self.waiting, key=lambda r: r.num_tokens - r.num_computed_tokens))
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                self._restore(req)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self._reserve(req, n):
+                    self.free(req)  # give back restored pages; retry the lookup next step
+                    req.num_computed_tokens = req.num_published_pages = 0
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
