@@ -30,8 +30,9 @@ _ENGINE_HELP = {
 }
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field becomes --kebab-case with the dataclass default."""
+def add_engine_flags(p: argparse.ArgumentParser, multi_device: bool = False) -> None:
+    """Every EngineConfig field becomes --kebab-case with the dataclass default. With multi_device,
+    --inference-device is repeatable (one worker per value)."""
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -41,9 +42,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, action=action, default=f.default, help=_ENGINE_HELP[f.name])
             continue
         if f.name == "device":
-            flag = "--inference-device"
-            g.add_argument("--device", dest="device", default=f.default, help=argparse.SUPPRESS)
-            g.add_argument(flag, dest="device", default=f.default, help=_ENGINE_HELP[f.name])
+            kind = dict(action="append", default=None) if multi_device else dict(default=f.default)
+            g.add_argument("--device", dest="device", help=argparse.SUPPRESS, **kind)
+            g.add_argument("--inference-device", dest="device", help=_ENGINE_HELP[f.name], **kind)
             continue
         g.add_argument(flag, dest=f.name, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
 
@@ -196,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for mod in BENCHMARKS:
         mod.add_parser(bsub, add_model_flag, add_engine_flags)
+
+    from .serving import server
+
+    server.add_parser(sub, add_model_flag, add_engine_flags)
     return ap
 
 

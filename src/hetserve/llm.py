@@ -9,15 +9,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .core.config import EngineConfig
-from .core.engine import EngineCore
+from .core.loading import load_engine
 from .core.output_processor import RequestOutput, RequestState
 from .core.request import Request, RequestStatus
-from .layers.dtypes import resolve_dtype
 from .models import registry
-from .models.decoder import DecoderModel
-from .models.gguf_loader import GGUFFile
-from .models.tokenizer import Tokenizer
 from .sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -31,17 +26,9 @@ class LLM:
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  **engine_kwargs: Any):
-        unknown = set(engine_kwargs) - set(EngineConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
-        self.path = registry.resolve(model)
-        with GGUFFile(self.path) as f:
-            self.tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
-            torch_dtype = resolve_dtype(dtype, device)
-            self.model = DecoderModel.from_gguf(str(self.path), torch_dtype, device, gguf_file=f)
-        self.config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
-        model_id = f"{self.model.config.arch}:{self.model.config.name}:{self.path.stat().st_size}"
-        self.engine = EngineCore(self.model, self.config, self.tokenizer.stop_token_ids, model_id=model_id)
+        loaded = load_engine(model, device, dtype, **engine_kwargs)
+        self.path, self.tokenizer, self.model = loaded.path, loaded.tokenizer, loaded.model
+        self.config, self.engine = loaded.config, loaded.engine
         self._ids = itertools.count()
 
     # -- prompts ----------------------------------------------------------------------------------
@@ -54,7 +41,7 @@ class LLM:
     def _add(self, prompt_ids: list[int], params: SamplingParams) -> RequestState:
         req = Request(f"req-{next(self._ids)}", prompt_ids, params)
         self.engine.add_request(req)
-        return RequestState(self.tokenizer, req)
+        return RequestState(self.tokenizer, params, req)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
-from .request import Request
+from ..sampling_params import SamplingParams
 
 
 @dataclass
@@ -28,10 +28,13 @@ class RequestOutput:
 
 
 class RequestState:
-    def __init__(self, tokenizer: Tokenizer, req: Request):
-        self.req = req
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=req.params.skip_special_tokens)
-        self.stops = req.params.stop
+    """Text side of one request: incremental detokenization and stop strings. Used in-process by
+    LLM and in the API process by the server frontend (it needs no engine objects)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, req=None):
+        self.req = req  # the engine Request when run in-process
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.emitted = 0  # characters already streamed

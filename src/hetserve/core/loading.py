@@ -1,0 +1,41 @@
+"""Build an engine from a model name or GGUF path: the one place that wires loader, tokenizer,
+model and EngineCore together (used by the in-process LLM and by worker processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..layers.dtypes import resolve_dtype
+from ..models import registry
+from ..models.decoder import DecoderModel
+from ..models.gguf_loader import GGUFFile
+from ..models.tokenizer import Tokenizer
+from .config import EngineConfig
+from .engine import EngineCore
+
+
+@dataclass
+class LoadedEngine:
+    path: Path
+    tokenizer: Tokenizer
+    model: DecoderModel
+    config: EngineConfig
+    engine: EngineCore
+
+
+def load_engine(model: str, device: str = "cpu", dtype: str = "float32", **engine_kwargs: Any) -> LoadedEngine:
+    unknown = set(engine_kwargs) - set(EngineConfig.field_names())
+    if unknown:
+        raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+    path = registry.resolve(model)
+    with GGUFFile(path) as f:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        torch_dtype = resolve_dtype(dtype, device)
+        decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
+    config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
+    # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.
+    model_id = f"{decoder.config.arch}:{decoder.config.name}:{path.stat().st_size}"
+    engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id)
+    return LoadedEngine(path, tokenizer, decoder, config, engine)

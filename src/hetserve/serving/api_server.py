@@ -1,0 +1,355 @@
+"""FastAPI app: OpenAI-compatible routes, SSE streaming, auth, limits, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..models.tokenizer import ChatTemplateError
+from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
+from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("hetserve.api")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "request_too_large", 422: "invalid_request_error", 500: "internal_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class _LimitsAndAuth:
+    """ASGI middleware: API key on every route but /health (decided on the path, compared in
+    constant time) and a cap on the request body size (413)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return await error_response(401, "missing or invalid API key (Authorization: Bearer ...)")(
+                    scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await error_response(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise APIError(413, f"request body over {self.max_body} bytes")
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except APIError as e:
+            await error_response(e.status, e.message)(scope, receive, send)
+
+
+def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: int = 4 << 20,
+              lifespan=None) -> FastAPI:
+    app = FastAPI(title="hetserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    fe = frontend
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return error_response(422, f"invalid request: {where or 'body'}: {first.get('msg', 'invalid')}", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        log.exception("internal error")
+        return error_response(500, "internal server error")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != fe.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {fe.model_name!r}", "model",
+                           "model_not_found")
+
+    # -- routes -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if fe.healthy:
+            return Response(status_code=200)
+        return error_response(503, "draining" if fe.draining else "a worker is not ready or has died")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": fe.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hetserve", "max_model_len": fe.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(fe.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if body.messages is not None:
+            msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+            ids = await _encode_chat(msgs, body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = await fe.run_blocking(fe.tokenizer.encode, body.prompt)
+        else:
+            raise APIError(400, "give either prompt or messages", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": fe.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        _check_ids(body.tokens, "tokens")
+        return {"prompt": await fe.run_blocking(fe.tokenizer.decode, body.tokens, False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompts = await _completion_prompts(body.prompt)
+        return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = await _encode_chat(msgs, body.add_generation_prompt)
+        top = body.top_logprobs if body.top_logprobs is not None else (0 if body.logprobs else None)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await _serve(body, request, [ids], max_tokens, top, chat=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _check_ids(ids: list[int], param: str) -> None:
+        vocab = fe.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab - 1}]", param)
+
+    async def _encode_chat(msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return await fe.run_blocking(lambda: fe.tokenizer.encode_chat(msgs, add_generation_prompt=add_generation_prompt))
+        except (ChatTemplateError, ValueError) as e:
+            raise APIError(400, str(e), "messages") from None
+
+    async def _completion_prompts(prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        out = []
+        for p in prompt:
+            ids = await fe.run_blocking(fe.tokenizer.encode, p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            _check_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool):
+        try:
+            fe.check_capacity()
+            params = [body.sampling_params(max_tokens, logprobs, j) for _ in prompts for j in range(body.n)]
+            for p, ids in zip(params, [ids for ids in prompts for _ in range(body.n)]):
+                p.max_tokens = fe.check_length(len(ids), p.max_tokens)
+        except ServiceUnavailable as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        jobs = [(i, ids, params[i]) for i, ids in enumerate(ids for ids in prompts for _ in range(body.n))]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(jobs, rid, created, chat, include_usage, body.cache_salt),
+                                     media_type="text/event-stream")
+        return await _collect(jobs, rid, created, chat, request, body.cache_salt)
+
+    def _logprobs_entry(delta_logprobs: list[dict[int, float]], token_ids: list[int], chat: bool, n: int):
+        if chat:
+            content = []
+            for tok, lps in zip(token_ids, delta_logprobs):
+                top = sorted(lps.items(), key=lambda kv: -kv[1])[:n]
+                content.append({"token": fe.tokenizer.decode([tok], False), "logprob": lps.get(tok),
+                                "bytes": list(fe.tokenizer.decode([tok], False).encode()),
+                                "top_logprobs": [{"token": fe.tokenizer.decode([t], False), "logprob": v,
+                                                  "bytes": list(fe.tokenizer.decode([t], False).encode())}
+                                                 for t, v in top]})
+            return {"content": content}
+        return {"tokens": [fe.tokenizer.decode([t], False) for t in token_ids],
+                "token_logprobs": [lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
+                "top_logprobs": [{fe.tokenizer.decode([t], False): v
+                                  for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:n]}
+                                 for lps in delta_logprobs]}
+
+    async def _run(ids, params, cache_salt) -> AsyncIterator[Delta]:
+        try:
+            async for d in fe.generate(ids, params, cache_salt):
+                yield d
+        except ServiceUnavailable as e:
+            raise APIError(503, str(e)) from None
+        except RequestFailed as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def _collect(jobs, rid, created, chat, request: Request, cache_salt):
+        async def one(i, ids, params):
+            text, toks, lps, last = [], [], [], None
+            async for d in _run(ids, params, cache_salt):
+                text.append(d.text)
+                toks += d.token_ids
+                lps += d.logprobs
+                last = d
+            return i, "".join(text), toks, lps, last
+
+        tasks = [asyncio.ensure_future(one(*j)) for j in jobs]
+
+        async def watch():  # a client that goes away cancels the work
+            while True:
+                if await request.is_disconnected():
+                    for t in tasks:
+                        t.cancel()
+                    return
+                await asyncio.sleep(0.2)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            watcher.cancel()
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        seen_prompts = set()
+        for (i, text, toks, lps, last), (_, ids, params) in zip(results, jobs):
+            lp = _logprobs_entry(lps, toks, chat, params.logprobs or 0) if params.logprobs is not None else None
+            choice = {"index": i, "logprobs": lp, "finish_reason": last.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+            usage["completion_tokens"] += len(toks)
+            if id(ids) not in seen_prompts:  # n copies of one prompt count it once, as OpenAI does
+                seen_prompts.add(id(ids))
+                usage["prompt_tokens"] += len(ids)
+                usage["cached_tokens"] += last.num_cached_tokens
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": fe.model_name, "choices": choices, "usage": _usage(usage)}
+
+    def _usage(u: dict) -> dict:
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    async def _stream(jobs, rid, created, chat, include_usage, cache_salt):
+        queue: asyncio.Queue = asyncio.Queue()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def pump(i, ids, params):
+            try:
+                async for d in _run(ids, params, cache_salt):
+                    await queue.put((i, ids, params, d))
+            except APIError as e:
+                await queue.put((i, ids, params, e))
+            except asyncio.CancelledError:
+                raise
+
+        def chunk(choices, usage=None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
+        unique_prompts = {id(ids): ids for _, ids, _ in jobs}.values()  # n copies count once
+        usage = {"prompt_tokens": sum(len(ids) for ids in unique_prompts), "completion_tokens": 0,
+                 "cached_tokens": 0}
+        cached_seen: set[int] = set()
+        remaining = len(jobs)
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i, _, _ in jobs])
+            while remaining:
+                i, ids, params, d = await queue.get()
+                if isinstance(d, APIError):
+                    remaining -= 1
+                    yield f"data: {json.dumps(error_body(d.status, d.message))}\n\n"
+                    continue
+                usage["completion_tokens"] += len(d.token_ids)
+                if d.finished and id(ids) not in cached_seen:
+                    cached_seen.add(id(ids))
+                    usage["cached_tokens"] += d.num_cached_tokens
+                lp = (_logprobs_entry(d.logprobs, d.token_ids, chat, params.logprobs or 0)
+                      if params.logprobs is not None and d.token_ids else None)
+                if d.text or d.finished or lp:
+                    c = {"index": i, "logprobs": lp, "finish_reason": d.finish_reason if d.finished else None}
+                    if chat:
+                        c["delta"] = {"content": d.text} if d.text else {}
+                    else:
+                        c["text"] = d.text
+                    yield chunk([c])
+                if d.finished:
+                    remaining -= 1
+            if include_usage:
+                yield chunk([], _usage(usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    app.add_middleware(_LimitsAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app

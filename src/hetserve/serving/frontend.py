@@ -1,0 +1,314 @@
+"""The API process side of serving: worker processes, tokenization off the event loop,
+incremental detokenization and stop strings, per-request streams, metrics.
+
+Each request gets an asyncio queue that the output loop fills from worker messages.
+A request that is cancelled (client gone) or ends by a stop string is aborted in its
+worker at once, so its pages are freed within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from ..core.output_processor import RequestState
+from ..models import registry
+from ..models.gguf_loader import GGUFFile
+from ..models.tokenizer import Tokenizer
+from ..sampling_params import SamplingParams
+from . import ipc
+from .metrics import Metrics
+
+log = logging.getLogger("hetserve.frontend")
+
+
+class ServiceUnavailable(RuntimeError):
+    pass
+
+
+class RequestFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Delta:
+    """New output of one request since the last delta."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    worker: "WorkerHandle"
+    state: RequestState
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class WorkerHandle:
+    name: str
+    spec: dict
+    proc: subprocess.Popen | None = None
+    socket: zmq.asyncio.Socket | None = None
+    ready: ipc.Ready | None = None
+    state: ipc.WorkerState | None = None
+    alive: bool = False
+    requests: set[str] = field(default_factory=set)
+
+
+class Frontend:
+    def __init__(self, model: str, engine_kwargs: dict, devices: list[str] | None = None,
+                 dtype: str = "float32", max_queued_requests: int = 256, startup_timeout: float = 600.0):
+        self.model_path = str(registry.resolve(model))
+        self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
+        with GGUFFile(self.model_path) as f:
+            self.tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        self.engine_kwargs = engine_kwargs
+        self.dtype = dtype
+        self.devices = devices or ["cpu"]
+        self.max_queued_requests = max_queued_requests
+        self.startup_timeout = startup_timeout
+        self.metrics = Metrics()
+        self.workers: list[WorkerHandle] = []
+        self.streams: dict[str, _Stream] = {}
+        self.draining = False
+        self._ids = itertools.count()
+        # Tokenization and template rendering run here, off the event loop; one thread keeps the
+        # API process from competing with the engine for cores.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tasks: list[asyncio.Task] = []
+        self._dir = ipc.private_socket_dir()
+        self._ctx = zmq.asyncio.Context()
+        self._inbox = self._ctx.socket(zmq.PULL)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._inbox.bind(f"ipc://{self._dir}/out")
+        for i, device in enumerate(self.devices):
+            name = f"{device.split(':')[0]}{i}" if len(self.devices) > 1 else device.split(",")[0]
+            spec = {"name": name, "model": self.model_path, "device": device.split(",")[0].split(":threads=")[0],
+                    "dtype": self.dtype, "engine": self.engine_kwargs, "to_worker": f"ipc://{self._dir}/in{i}",
+                    "from_worker": f"ipc://{self._dir}/out"}
+            if ":threads=" in device:
+                spec["threads"] = int(device.split(":threads=")[1].split(",")[0])
+            w = WorkerHandle(name, spec)
+            w.socket = self._ctx.socket(zmq.PUSH)
+            w.socket.setsockopt(zmq.LINGER, 0)
+            w.socket.bind(spec["to_worker"])
+            w.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.worker", json.dumps(spec)])
+            self.workers.append(w)
+        self._tasks.append(asyncio.create_task(self._output_loop()))
+        deadline = time.monotonic() + self.startup_timeout
+        while not all(w.ready for w in self.workers):
+            for w in self.workers:
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"worker {w.name} exited with code {w.proc.returncode} while loading")
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not load the model in time")
+            await asyncio.sleep(0.05)
+        self._tasks.append(asyncio.create_task(self._monitor()))
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.workers) and all(w.alive for w in self.workers) and not self.draining
+
+    @property
+    def max_model_len(self) -> int:
+        return min(w.ready.max_model_len for w in self.workers if w.ready)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return max(w.ready.num_pages * w.ready.page_size for w in self.workers if w.ready)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the workers, wait for them (kill if they hang)."""
+        for rid in list(self.streams):
+            self._fail(rid, "the server is shutting down")
+        for w in self.workers:
+            if w.alive:
+                await w.socket.send(ipc.encode(ipc.Shutdown()))
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            while w.proc and w.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if w.proc and w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+            w.alive = False
+        for t in self._tasks:
+            t.cancel()
+        self._ctx.destroy(linger=0)
+        self._pool.shutdown(wait=False)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- requests -------------------------------------------------------------------------------
+    async def run_blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def check_capacity(self) -> None:
+        if not self.healthy:
+            raise ServiceUnavailable("the server is draining or a worker is down")
+        queued = sum(1 for s in self.streams.values() if s.first_token_time is None)
+        if queued >= self.max_queued_requests:
+            raise ServiceUnavailable(f"too many queued requests ({queued}); retry later")
+
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Resolve max_tokens; ValueError with the numbers if the request can never run."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens}"
+                             f" exceeds the model's context of {self.max_model_len} tokens")
+        if prompt_len + max_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens}"
+                             f" exceeds the KV cache of {self.kv_capacity_tokens} tokens")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room to generate")
+        return max_tokens
+
+    def _pick_worker(self) -> WorkerHandle:
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            raise ServiceUnavailable("no worker is available")
+        return min(live, key=lambda w: len(w.requests))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Stream the deltas of one request. Cancelling the consumer aborts it in the worker."""
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"token ids must be in [0, {vocab - 1}]")
+        self.check_capacity()
+        params.max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
+        rid = request_id or f"req-{next(self._ids)}"
+        w = self._pick_worker()
+        st = _Stream(w, RequestState(self.tokenizer, params), asyncio.Queue(), time.monotonic(), len(prompt_ids))
+        self.streams[rid] = st
+        w.requests.add(rid)
+        wire = {k: v for k, v in vars(params).items()}
+        await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt)))
+        try:
+            while True:
+                item = await st.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not st.done:  # cancelled or failed on our side: stop the work in the worker now
+                await self._abort(rid, stopped=False)
+            self._forget(rid)
+
+    async def _abort(self, rid: str, stopped: bool) -> None:
+        st = self.streams.get(rid)
+        if st is None or st.done:
+            return
+        st.done = True
+        if st.worker.alive:
+            await st.worker.socket.send(ipc.encode(ipc.Abort(rid, stopped)))
+
+    def _forget(self, rid: str) -> None:
+        st = self.streams.pop(rid, None)
+        if st is not None:
+            st.worker.requests.discard(rid)
+
+    def _fail(self, rid: str, message: str) -> None:
+        st = self.streams.get(rid)
+        if st is not None and not st.done:
+            st.done = True
+            st.queue.put_nowait(RequestFailed(message))
+
+    # -- worker messages -------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            raw = await self._inbox.recv()
+            try:
+                msg = ipc.decode(raw)
+            except ipc.IPCError as e:
+                log.error("bad message from a worker: %s", e)
+                continue
+            if isinstance(msg, ipc.Ready):
+                w = next(w for w in self.workers if w.name == msg.worker)
+                w.ready, w.alive = msg, True
+                continue
+            w = next((w for w in self.workers if w.name == msg.worker), None)
+            if w is None:
+                continue
+            w.state = msg.state
+            self.metrics.worker_state(w.name, msg.state)
+            for u in msg.updates:
+                self._apply(w, u)
+
+    def _apply(self, w: WorkerHandle, u: ipc.RequestUpdate) -> None:
+        st = self.streams.get(u.request_id)
+        if st is None or st.done:
+            return
+        if u.error is not None:
+            st.done = True
+            st.queue.put_nowait(ValueError(u.error))
+            return
+        now = time.monotonic()
+        if u.new_token_ids:
+            if st.first_token_time is None:
+                st.first_token_time = now
+                self.metrics.ttft(w.name, now - st.arrival)
+            else:
+                self.metrics.itl(w.name, (now - st.last_token_time) / len(u.new_token_ids))
+            st.last_token_time = now
+        if u.queue_time_s is not None:
+            self.metrics.queue_time(w.name, u.queue_time_s)
+        st.num_output_tokens += len(u.new_token_ids)
+        text = st.state.add(u.new_token_ids, u.finished)
+        finished, reason = u.finished, u.finish_reason
+        if st.state.stopped_by is not None and not finished:
+            finished, reason = True, "stop"
+            asyncio.get_running_loop().create_task(self._abort(u.request_id, stopped=True))
+        if finished:
+            st.done = True
+            self.metrics.e2e(w.name, now - st.arrival)
+        st.queue.put_nowait(Delta(
+            text=text, token_ids=list(u.new_token_ids),
+            logprobs=[{int(t): float(lp) for t, lp in entry} for entry in u.logprobs],
+            finished=finished, finish_reason=reason, num_prompt_tokens=st.num_prompt_tokens,
+            num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens))
+
+    async def _monitor(self) -> None:
+        """A worker that dies: its requests end promptly with an error, /health turns 503."""
+        while True:
+            for w in self.workers:
+                if w.alive and w.proc.poll() is not None:
+                    w.alive = False
+                    log.error("worker %s died (exit code %s)", w.name, w.proc.returncode)
+                    for rid in list(w.requests):
+                        self._fail(rid, f"worker {w.name} died")
+            await asyncio.sleep(0.1)

@@ -1,0 +1,129 @@
+"""Typed messages between the API process and worker processes: msgpack over ZMQ, never pickle.
+
+Each message is a dataclass; on the wire it is a msgpack map with a "type" field naming
+the class and only plain values (ints, floats, strings, lists, maps). Decoding checks the
+type name against this module's registry and the fields against the dataclass, so a
+malformed or unknown message is an error, not code execution.
+
+Sockets live in a private directory (0700) as Unix domain sockets, so only this user
+can connect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+class IPCError(ValueError):
+    pass
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams fields
+    cache_salt: str | None = None
+
+
+@dataclass
+class Abort:
+    request_id: str
+    stopped: bool = False  # ended by a stop string in the frontend: a completion, not an abort
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    worker: str
+    pid: int
+    vocab_size: int
+    max_model_len: int
+    num_pages: int
+    page_size: int
+
+
+@dataclass
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[list[list[float]]] = field(default_factory=list)  # per token: [[token, logprob], ...]
+    num_cached_tokens: int = 0
+    queue_time_s: float | None = None  # first scheduled - arrival, sent with the first update
+    error: str | None = None  # the worker refused or failed this request
+
+
+@dataclass
+class WorkerState:
+    running: int
+    waiting: int
+    pages_used: int
+    pages_total: int
+    preemptions: int
+    prefix_cache: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Outputs:
+    worker: str
+    updates: list[RequestUpdate]
+    state: WorkerState
+
+
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, Ready, Outputs)}
+_NESTED = {"updates": RequestUpdate, "state": WorkerState}
+
+
+def encode(msg) -> bytes:
+    if type(msg).__name__ not in MESSAGES:
+        raise IPCError(f"not a message type: {type(msg).__name__}")
+    return msgpack.packb({"type": type(msg).__name__, **dataclasses.asdict(msg)}, use_bin_type=True)
+
+
+def _build(cls, data: dict):
+    if not isinstance(data, dict):
+        raise IPCError(f"{cls.__name__}: expected a map")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise IPCError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kwargs = {}
+    for k, v in data.items():
+        nested = _NESTED.get(k)
+        if nested is not None:
+            v = [_build(nested, x) for x in v] if isinstance(v, list) else _build(nested, v)
+        kwargs[k] = v
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise IPCError(f"{cls.__name__}: {e}") from None
+
+
+def decode(raw: bytes):
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several exception types on bad input
+        raise IPCError(f"undecodable message: {e}") from None
+    if not isinstance(data, dict) or data.get("type") not in MESSAGES:
+        raise IPCError(f"unknown message type: {data.get('type') if isinstance(data, dict) else type(data)}")
+    cls = MESSAGES[data.pop("type")]
+    return _build(cls, data)
+
+
+def private_socket_dir() -> str:
+    """A fresh directory only this user can enter; the sockets inside inherit that protection."""
+    d = tempfile.mkdtemp(prefix="hetserve-ipc-")
+    os.chmod(d, 0o700)
+    return d

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the server, labelled by worker."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from . import ipc
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        label = ["worker"]
+        self._ttft = Histogram("hetserve:time_to_first_token_seconds", "Time to first token", label,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("hetserve:inter_token_latency_seconds", "Time between output tokens", label,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._e2e = Histogram("hetserve:e2e_request_latency_seconds", "Arrival to finish", label,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._queue = Histogram("hetserve:request_queue_time_seconds", "Arrival to first scheduled step", label,
+                                buckets=_LATENCY_BUCKETS, registry=r)
+        self._running = Gauge("hetserve:num_requests_running", "Requests running", label, registry=r)
+        self._waiting = Gauge("hetserve:num_requests_waiting", "Requests waiting", label, registry=r)
+        self._pages_used = Gauge("hetserve:kv_pages_used", "KV pages referenced by requests", label, registry=r)
+        self._pages_total = Gauge("hetserve:kv_pages_total", "KV pages in the pool", label, registry=r)
+        self._preempt = Gauge("hetserve:num_preemptions", "Preemptions so far", label, registry=r)
+        self._prefix = Gauge("hetserve:prefix_cache", "Prefix cache counters (lookups, hits, restored, published "
+                             "and evicted tokens, cached pages)", label + ["counter"], registry=r)
+        self.requests = Counter("hetserve:requests", "Finished HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+
+    def ttft(self, worker: str, s: float) -> None:
+        self._ttft.labels(worker).observe(s)
+
+    def itl(self, worker: str, s: float) -> None:
+        self._itl.labels(worker).observe(s)
+
+    def e2e(self, worker: str, s: float) -> None:
+        self._e2e.labels(worker).observe(s)
+
+    def queue_time(self, worker: str, s: float) -> None:
+        self._queue.labels(worker).observe(s)
+
+    def worker_state(self, worker: str, st: ipc.WorkerState) -> None:
+        self._running.labels(worker).set(st.running)
+        self._waiting.labels(worker).set(st.waiting)
+        self._pages_used.labels(worker).set(st.pages_used)
+        self._pages_total.labels(worker).set(st.pages_total)
+        self._preempt.labels(worker).set(st.preemptions)
+        for k, v in st.prefix_cache.items():
+            self._prefix.labels(worker, k).set(v)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,91 @@
+"""`hetserve serve`: start the workers, run uvicorn, drain on SIGTERM.
+
+SIGTERM (or Ctrl-C): stop accepting work (/health 503, new requests 503), let requests in
+flight finish for up to --shutdown-timeout seconds, end the rest with a final error event,
+stop the workers and exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("hetserve.server")
+
+
+def _server_class():
+    import uvicorn  # imported here so that the other CLI commands start fast
+
+    return type("_Server", (_DrainOnSignal, uvicorn.Server), {})
+
+
+class _DrainOnSignal:
+    def __init__(self, config, frontend, shutdown_timeout: float):
+        super().__init__(config)
+        self.frontend = frontend
+        self.shutdown_timeout = shutdown_timeout
+        self._draining_task = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.frontend.draining or self._draining_task is not None:
+            return super().handle_exit(sig, frame)
+        self.frontend.draining = True
+        loop = asyncio.get_event_loop()
+        self._draining_task = loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.frontend.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.frontend.streams):
+            self.frontend._fail(rid, "the server is shutting down")
+        await asyncio.sleep(0.2)  # let streams write their final error event
+        self.should_exit = True
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..cli import engine_kwargs
+    from .api_server import build_app
+    from .frontend import Frontend
+
+    kw = engine_kwargs(args)
+    devices = kw.pop("device") or ["cpu"]
+    dtype = kw.pop("dtype")
+    api_key = args.api_key or os.environ.get("HETSERVE_API_KEY") or None
+    frontend = Frontend(args.model, kw, devices=devices, dtype=dtype, max_queued_requests=args.max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await frontend.start()
+        print(f"hetserve: serving {frontend.model_name} on http://{args.host}:{args.port} "
+              f"({', '.join(devices)})", file=sys.stderr, flush=True)
+        yield
+        await frontend.shutdown()
+
+    app = build_app(frontend, api_key=api_key, max_body_bytes=args.max_body_bytes, lifespan=lifespan)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1)
+    server = _server_class()(config, frontend, args.shutdown_timeout)
+    server.run()
+    return 0
+
+
+def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_flag(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set HETSERVE_API_KEY)")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="beyond this many waiting requests: 503")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    add_engine_flags(p, multi_device=True)
+    p.set_defaults(func=run)

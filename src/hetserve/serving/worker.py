@@ -1,0 +1,126 @@
+"""A worker process: one device, one EngineCore, driven by typed messages over ZMQ.
+
+Started as `python -m hetserve.serving.worker SPEC_JSON` (no pickle, no fork of the API
+process). The loop drains incoming messages between steps, so an abort lands within
+one step, and sends every step's new tokens with the worker's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import zmq
+
+from . import ipc
+
+log = logging.getLogger("hetserve.worker")
+
+
+def _update(req, out, first: bool):
+    m = req.metrics
+    return ipc.RequestUpdate(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        logprobs=[[[t, lp] for t, lp in d.items()] for d in out.new_logprobs],
+        num_cached_tokens=req.num_cached_tokens,
+        queue_time_s=(m.first_scheduled_time - m.arrival_time) if first and m.first_scheduled_time else None,
+    )
+
+
+def _state(engine) -> ipc.WorkerState:
+    s = engine.scheduler
+    return ipc.WorkerState(running=len(s.running), waiting=len(s.waiting) + len(engine.held),
+                           pages_used=engine.pool.num_used, pages_total=engine.pool.num_blocks,
+                           preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats())
+
+
+def serve(spec: dict) -> int:
+    import torch
+
+    from ..core.engine import RequestRejected
+    from ..core.loading import load_engine
+    from ..core.request import Request, RequestStatus
+    from ..sampling_params import SamplingParams
+
+    name = spec["name"]
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(spec["to_worker"])
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(spec["from_worker"])
+    outbox.setsockopt(zmq.LINGER, 2000)
+
+    loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), **spec["engine"])
+    engine = loaded.engine
+    outbox.send(ipc.encode(ipc.Ready(name, os.getpid(), loaded.model.config.vocab_size, engine.max_model_len,
+                                     engine.pool.num_blocks, engine.pool.page_size)))
+    live: dict[str, Request] = {}
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+
+    def send(updates):
+        outbox.send(ipc.encode(ipc.Outputs(name, updates, _state(engine))))
+
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent:  # the API process is gone: do not linger as an orphan
+            return 0
+        busy = engine.has_unfinished_requests()
+        events = dict(poller.poll(0 if busy else 100))
+        updates = []
+        while inbox in events:
+            try:
+                msg = ipc.decode(inbox.recv())
+            except ipc.IPCError as e:
+                log.error("worker %s: dropped a bad message: %s", name, e)
+                msg = None
+            if isinstance(msg, ipc.Shutdown):
+                for rid in list(live):
+                    engine.abort(rid)
+                send([])
+                return 0
+            if isinstance(msg, ipc.AddRequest):
+                try:
+                    req = Request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
+                                  cache_salt=msg.cache_salt)
+                    engine.add_request(req)
+                    live[req.request_id] = req
+                except (RequestRejected, ValueError, TypeError) as e:
+                    updates.append(ipc.RequestUpdate(msg.request_id, [], finished=True, finish_reason="error",
+                                                     error=str(e)))
+            elif isinstance(msg, ipc.Abort):
+                live.pop(msg.request_id, None)
+                engine.abort(msg.request_id, RequestStatus.FINISHED_STOPPED if msg.stopped
+                             else RequestStatus.FINISHED_ABORTED)
+            events = dict(poller.poll(0))
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                req = live.get(out.request_id)
+                if req is None:
+                    continue
+                updates.append(_update(req, out, first=req.num_output_tokens == len(out.new_token_ids)))
+                if out.finished:
+                    del live[out.request_id]
+        if updates or busy:
+            send(updates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    spec = json.loads(argv[0])
+    try:
+        return serve(spec)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
