@@ -1,0 +1,129 @@
+"""`hetserve bench serve`: a load client for a running server, in the manner of `vllm bench serve`.
+
+Sends --num-prompts streaming completions of exactly --input-tokens prompt tokens (token
+ids, so no tokenizer is needed here; EOS ignored, --output-tokens each) with at most
+--max-concurrency in flight, arriving as a Poisson process at --request-rate per second
+(inf: all at once). Reports TTFT, TPOT, ITL and E2E (mean, median, p99), request and
+output throughput and the failed count; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    s = sorted(values)
+    return {"mean": round(statistics.mean(s), 4), "median": round(statistics.median(s), 4),
+            "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4)}
+
+
+async def _one(client, url: str, prompt: list[int], args, headers) -> dict:
+    body = {"prompt": prompt, "max_tokens": args.output_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if args.model:
+        body["model"] = args.model
+    t0 = time.perf_counter()
+    times, usage, error = [], None, None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    error = data["error"]["message"]
+                    continue
+                if data.get("usage"):
+                    usage = data["usage"]
+                if any(c.get("text") for c in data.get("choices", [])):
+                    times.append(time.perf_counter())
+    except Exception as e:  # a failed request is counted, not fatal to the run
+        return {"ok": False, "error": repr(e)}
+    end = time.perf_counter()
+    if error or usage is None or not times:
+        return {"ok": False, "error": error or "no output"}
+    n = usage["completion_tokens"]
+    return {"ok": True, "ttft": times[0] - t0, "e2e": end - t0, "itl": [b - a for a, b in zip(times, times[1:])],
+            "tpot": (end - times[0]) / (n - 1) if n > 1 else None, "output_tokens": n,
+            "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def _run(args) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=1000)) as c:
+        text = "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n" * 8
+        ids = (await c.post(args.url + "/tokenize", json={"prompt": text}, headers=headers)).json()["tokens"]
+        base = ids * (args.input_tokens // len(ids) + 2)
+        prompts = [base[7 * i % len(ids):][: args.input_tokens] for i in range(args.num_prompts)]
+        sem = asyncio.Semaphore(args.max_concurrency)
+        rng = random.Random(args.seed)
+
+        async def limited(p):
+            async with sem:
+                return await _one(c, args.url, p, args, headers)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.ensure_future(limited(p)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    return {
+        "benchmark": "serve", "url": args.url, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate, "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+        "duration_s": round(duration, 2), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
+        "request_throughput": round(len(ok) / duration, 4), "output_throughput": round(out_tokens / duration, 2),
+        "total_token_throughput": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / duration, 2),
+        "ttft_s": _summary([r["ttft"] for r in ok]), "tpot_s": _summary([r["tpot"] for r in ok if r["tpot"]]),
+        "itl_s": _summary([x for r in ok for x in r["itl"]]), "e2e_s": _summary([r["e2e"] for r in ok]),
+        "command": " ".join(sys.argv),
+    }
+
+
+def main(args) -> int:
+    report = asyncio.run(_run(args))
+    print(f"requests: {report['completed']} completed, {report['failed']} failed in {report['duration_s']:.1f}s")
+    print(f"throughput: {report['request_throughput']:.3f} req/s, {report['output_throughput']:.2f} output tok/s, "
+          f"{report['total_token_throughput']:.2f} total tok/s")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        v = report[key]
+        if v["mean"] is not None:
+            print(f"{key[:-2].upper():>5} mean {v['mean']:.3f}s  median {v['median']:.3f}s  p99 {v['p99']:.3f}s")
+    if report["errors"]:
+        print("errors:", report["errors"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["failed"] == 0 else 1
+
+
+def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+    p = sub.add_parser("serve", help="load a running server like `vllm bench serve`")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: none)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
+    p.add_argument("--input-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=main)
