@@ -26,6 +26,8 @@ _ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV pages of earlier prompts with the same prefix",
     "prefix_publish": "when pages become reusable: incremental (after every step) or completion (at the end)",
     "single_flight": "identical prompts in flight: off, at-completion or after-prefill (followers wait for the leader)",
+    "trace_directory": "write a Chrome/Perfetto trace (trace-<worker>-<pid>.json) per process into this directory",
+    "torch_profile": "write a torch.profiler trace of 10 engine steps into this directory",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
 }
 

@@ -34,6 +34,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_publish: str = "incremental"  # or completion: pages become reusable when a request ends
     single_flight: str = "after-prefill"  # or at-completion, off
+    trace_directory: str | None = None  # write a Chrome/Perfetto trace per process here
+    torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
 
     def __post_init__(self) -> None:

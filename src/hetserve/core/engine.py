@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
@@ -45,6 +46,7 @@ class EngineCore:
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.requests: dict[str, Request] = {}
+        self._profiler = _torch_profiler(config.torch_profile) if config.torch_profile else None
         log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
                  num_pages * per_page / 2**20)
 
@@ -79,6 +81,7 @@ class EngineCore:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
         self.requests[req.request_id] = req
+        trace.instant("queued", request=req.request_id, prompt_tokens=req.num_prompt_tokens)
         # Only prompts longer than a page have a full page to share.
         if req.num_prompt_tokens <= self.pool.page_size or \
                 self.flights.add(req.request_id, (tuple(req.prompt_token_ids), req.cache_salt)):
@@ -114,12 +117,25 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        sched = self.scheduler.schedule()
+        with trace.span("step"):
+            outputs = self._step()
+        if trace.enabled():
+            trace.counter("requests", running=len(self.scheduler.running),
+                          waiting=len(self.scheduler.waiting) + len(self.held))
+            trace.counter("pages", free=self.pool.num_free, used=self.pool.num_used)
+        if self._profiler is not None:
+            self._profiler.step()
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
+        with trace.span("schedule"):
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV pool too small?)")
             return []
-        sampled = self.runner.execute(sched.scheduled)
+        with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
+            sampled = self.runner.execute(sched.scheduled)
         now = time.monotonic()
         outputs = []
         incremental = self.config.prefix_publish == "incremental"
@@ -139,8 +155,10 @@ class EngineCore:
                 req.logprobs.append(logprobs)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+                trace.instant("first token", request=req.request_id)
             status = self._stop_status(req, token)
             if status is not None:
+                trace.instant("finished", request=req.request_id, reason=status.value)
                 self.requests.pop(req.request_id, None)
                 self.scheduler.publish(req)
                 self.scheduler.finish(req, status)
@@ -173,3 +191,20 @@ class EngineCore:
     def run_until_done(self) -> None:
         while self.has_unfinished_requests():
             self.step()
+
+
+def _torch_profiler(directory: str):
+    """torch.profiler over a bounded window of steps (skip 2, warm up 1, record 10)."""
+    import atexit
+    import os
+
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"torch-profile-{os.getpid()}.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=2, warmup=1, active=10, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path), record_shapes=True)
+    prof.start()
+    atexit.register(prof.stop)  # a run shorter than the window still writes what it recorded
+    return prof

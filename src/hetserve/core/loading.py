@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import trace
 from ..layers.dtypes import resolve_dtype
 from ..models import registry
 from ..models.decoder import DecoderModel
@@ -25,7 +26,9 @@ class LoadedEngine:
     engine: EngineCore
 
 
-def load_engine(model: str, device: str = "cpu", dtype: str = "float32", **engine_kwargs: Any) -> LoadedEngine:
+def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: str | None = None,
+                **engine_kwargs: Any) -> LoadedEngine:
+    """name: this engine's name in traces (default: the device)."""
     unknown = set(engine_kwargs) - set(EngineConfig.field_names())
     if unknown:
         raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
@@ -35,6 +38,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", **engin
         torch_dtype = resolve_dtype(dtype, device)
         decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
     config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
+    if config.trace_directory:
+        trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.
     model_id = f"{decoder.config.arch}:{decoder.config.name}:{path.stat().st_size}"
     engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id)

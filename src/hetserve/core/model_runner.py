@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import trace
 from ..layers.attention import AttentionMetadata
 from ..layers.sampler import SamplingRow, sample
 from ..models.decoder import DecoderModel
@@ -43,7 +44,8 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         rows = [self._row(r) for r in sample_reqs]
-        tokens, logprobs = sample(logits, rows)
+        with trace.span("sample", rows=len(rows)):
+            tokens, logprobs = sample(logits, rows)
         return {r.request_id: (t, lp) for r, t, lp in zip(sample_reqs, tokens, logprobs)}
 
     def _row(self, req: Request) -> SamplingRow:

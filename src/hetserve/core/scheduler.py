@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache, chain_hashes
 from .config import EngineConfig
@@ -148,6 +149,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
+                    trace.instant("scheduled", request=req.request_id)
                 self.running.append(req)
                 out.scheduled.append((req, n))
                 budget -= n

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import trace
+
 
 @dataclass
 class SeqAttention:
@@ -78,11 +80,17 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; returns [T, heads * d]."""
-    t, heads, d = q.shape
     kv_heads = k.shape[1]
-    g = heads // kv_heads
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    g = q.shape[1] // kv_heads
+    with trace.span("kv-write"):
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    with trace.span("attention", seqs=len(meta.seqs)):
+        return _attend(q, k_cache, v_cache, meta, scale, kv_heads, g)
+
+
+def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads: int, g: int) -> torch.Tensor:
+    t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     for s in meta.seqs:
         if s.kv_index is None:

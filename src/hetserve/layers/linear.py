@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import trace
+
 
 @dataclass
 class MatmulPolicy:
@@ -31,12 +33,14 @@ def batch_invariant_rows(m: int) -> int:
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "policy")
+    __slots__ = ("weight", "bias", "policy", "name")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None,
+                 name: str = "linear"):
         self.weight = weight
         self.bias = bias
         self.policy = policy or MatmulPolicy()
+        self.name = name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -44,10 +48,13 @@ class Linear:
         if p.deterministic:
             padded = batch_invariant_rows(m)
             if padded != m:
-                return F.linear(F.pad(x, (0, 0, 0, padded - m)), self.weight, self.bias)[:m]
+                with trace.span("matmul", op=self.name, impl="gemm-padded", rows=m):
+                    return F.linear(F.pad(x, (0, 0, 0, padded - m)), self.weight, self.bias)[:m]
         elif 1 < m <= p.gemv_max_rows:
-            return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
-        return F.linear(x, self.weight, self.bias)
+            with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
+                return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
+        with trace.span("matmul", op=self.name, impl="gemv" if m == 1 else "gemm", rows=m):
+            return F.linear(x, self.weight, self.bias)
 
     @property
     def out_features(self) -> int:

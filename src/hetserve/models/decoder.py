@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import trace
 from ..layers.attention import AttentionMetadata, paged_attention
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
@@ -39,6 +40,10 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp stores llama Q/K rows interleaved for its GPT-J rope; restore the HF (NeoX) order."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_SHORT_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
+                "ffn_up": "up", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
 
 
 class DecoderModel:
@@ -77,7 +82,7 @@ class DecoderModel:
             if unpermute:
                 w = _unpermute_qk(w, unpermute)
                 b = None if b is None else _unpermute_qk(b, unpermute)
-            return Linear(w.contiguous(), b, policy)
+            return Linear(w.contiguous(), b, policy, name=_SHORT_NAMES[name.split(".")[-1]])
 
         llama = cfg.arch == "llama"
         layers = []
@@ -97,7 +102,7 @@ class DecoderModel:
                 )
             )
         embed = t("token_embd.weight")
-        head = Linear(embed, None, policy) if cfg.tie_word_embeddings else lin("output")
+        head = Linear(embed, None, policy, name="lm_head") if cfg.tie_word_embeddings else lin("output")
         factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, factors).to(device)
         model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
@@ -120,19 +125,27 @@ class DecoderModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, hidden] (after the last norm)."""
         c = self.config
-        h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(positions, h.dtype)
         t = input_ids.shape[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.attn_norm, c.rms_eps)
-            q = RotaryEmbedding.apply(layer.q(x).view(t, c.num_heads, c.head_dim), cos, sin)
-            k = RotaryEmbedding.apply(layer.k(x).view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            v = layer.v(x).view(t, c.num_kv_heads, c.head_dim)
-            h = h + layer.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
-            x = rms_norm(h, layer.mlp_norm, c.rms_eps)
-            h = h + layer.down(F.silu(layer.gate(x)) * layer.up(x))
-        return rms_norm(h, self.final_norm, c.rms_eps)
+        with trace.span("model", tokens=t):
+            h = F.embedding(input_ids, self.embed)
+            cos, sin = self.rope.cos_sin(positions, h.dtype)
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                with trace.span("layer", index=i):
+                    with trace.span("attn"):
+                        x = rms_norm(h, layer.attn_norm, c.rms_eps)
+                        with trace.span("qkv"):
+                            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+                        with trace.span("rope"):
+                            q = RotaryEmbedding.apply(q.view(t, c.num_heads, c.head_dim), cos, sin)
+                            k = RotaryEmbedding.apply(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+                        v = v.view(t, c.num_kv_heads, c.head_dim)
+                        h = h + layer.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+                    with trace.span("mlp"):
+                        x = rms_norm(h, layer.mlp_norm, c.rms_eps)
+                        h = h + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+            return rms_norm(h, self.final_norm, c.rms_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with trace.span("lm_head", rows=hidden.shape[0]):
+            return self.lm_head(hidden).float()

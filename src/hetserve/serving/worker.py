@@ -14,6 +14,7 @@ import sys
 
 import zmq
 
+from .. import trace
 from . import ipc
 
 log = logging.getLogger("hetserve.worker")
@@ -57,7 +58,8 @@ def serve(spec: dict) -> int:
     outbox.connect(spec["from_worker"])
     outbox.setsockopt(zmq.LINGER, 2000)
 
-    loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), **spec["engine"])
+    loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
+                         **spec["engine"])
     engine = loaded.engine
     outbox.send(ipc.encode(ipc.Ready(name, os.getpid(), loaded.model.config.vocab_size, engine.max_model_len,
                                      engine.pool.num_blocks, engine.pool.page_size)))
@@ -85,6 +87,7 @@ def serve(spec: dict) -> int:
                 for rid in list(live):
                     engine.abort(rid)
                 send([])
+                trace.stop()
                 return 0
             if isinstance(msg, ipc.AddRequest):
                 try:
