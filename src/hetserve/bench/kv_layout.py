@@ -1,11 +1,12 @@
 """`hetserve bench kv-layout`: decode tok/s with the paged vs the contiguous KV cache.
 
 For each context length and sequence count, both layouts run the same prompts
-(greedy, EOS ignored). Decode tok/s counts the tokens generated after every
-request had its first token, over the time from then to the end, so prefill is
-excluded. Paged placement keeps a request's pages consecutive where it can, so
+(greedy, EOS ignored). Once every request has its first token, the next
+--output-tokens steps are timed: decode tok/s = tokens generated in those steps /
+their time, so no prefill is included. Paged placement keeps a request's pages consecutive where it can, so
 attention reads them in place; the contiguous layout reserves prompt + max_tokens
-per request at admission.
+per request at admission. Prefix caching is off in both, so that prompts repeated across
+cells are computed, not restored.
 """
 
 from __future__ import annotations
@@ -18,24 +19,36 @@ import time
 from .throughput import make_prompts
 
 
-def decode_rate(outs) -> float:
-    start = max(o.metrics["first_token_time"] for o in outs)
-    end = max(o.metrics["finished_time"] for o in outs)
-    tokens = sum(sum(1 for _ in o.token_ids) - 1 for o in outs)
-    return tokens / (end - start)
+def decode_rate(llm, prompts: list[list[int]], steps: int) -> float:
+    """Drive the engine (Python API): prefill everything, then time `steps` pure decode steps."""
+    from ..core.request import Request
+    from ..sampling_params import SamplingParams
+
+    eng = llm.engine
+    reqs = [Request(f"kv{i}", p, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    while any(r.metrics.first_token_time is None for r in reqs):
+        eng.step()
+    t = time.perf_counter()
+    tokens = sum(len(eng.step()) for _ in range(steps))
+    elapsed = time.perf_counter() - t
+    for r in reqs:
+        eng.abort(r.request_id)
+    return tokens / elapsed
 
 
 def main(args) -> int:
     from ..cli import engine_kwargs
     from ..llm import LLM
-    from ..sampling_params import SamplingParams
 
     kw = engine_kwargs(args)
     kw.pop("kv_cache")
     kw.pop("max_num_seqs")
+    kw["enable_prefix_caching"] = False  # cells reuse prompts: keep restored pages out of a layout test
     llms = {layout: LLM(model=args.model, kv_cache=layout, max_num_seqs=max(args.seqs), **kw)
             for layout in ("paged", "contiguous")}
-    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for ctx in args.contexts:
         for n in args.seqs:
@@ -45,7 +58,7 @@ def main(args) -> int:
                 samples = []
                 for _ in range(args.runs):
                     t = time.monotonic()
-                    samples.append(decode_rate(llm.generate(prompts, params, use_tqdm=False)))
+                    samples.append(decode_rate(llm, prompts, args.output_tokens))
                     print(f"ctx={ctx} seqs={n} {layout}: {samples[-1]:.2f} tok/s "
                           f"({time.monotonic() - t:.0f}s)", file=sys.stderr)
                 rates[layout] = statistics.median(samples)
@@ -67,7 +80,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     add_model_flag(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32, help="decode steps timed per cell")
     p.add_argument("--runs", type=int, default=1, help="runs per cell (median)")
     p.add_argument("--out", default=None)
     add_engine_flags(p)
