@@ -325,3 +325,17 @@ def test_real_model_end_to_end(real_05b, reference):
         assert chat.choices[0].message.content.startswith(r.choices[0].text[:20])
     finally:
         assert s.stop() == 0
+
+
+def test_serve_writes_a_trace_per_worker(tiny_qwen2, tmp_path):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--trace-directory", str(tmp_path))
+    worker = s.worker_pids()[0]
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        c.completions.create(model=model_id(c), prompt="trace me", max_tokens=3)
+    finally:
+        assert s.stop() == 0
+    path = tmp_path / f"trace-cpu-{worker}.json"
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"step", "forward", "layer", "matmul", "queued", "finished"} <= names
