@@ -19,9 +19,12 @@ _TEXT = (
 )
 
 
-def prompt_ids(tokenizer, n: int) -> list[int]:
+def prompt_ids(tokenizer, n: int, tag: str = "") -> list[int]:
+    """n tokens of a fixed text; a distinct `tag` up front gives a prompt that shares no KV page
+    with any other (prefix-cache hits would otherwise make repeated runs look faster)."""
     base = tokenizer.encode(_TEXT)
-    return (base * (n // len(base) + 1))[:n]
+    head = tokenizer.encode(f"# {tag}\n") if tag else []
+    return (head + base * (n // len(base) + 1))[:n]
 
 
 def _median_rates(samples: list[tuple[float, float]], prompt: int, output: int) -> dict:
@@ -43,13 +46,15 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **engine_kw)
     load_s = time.perf_counter() - t0
-    ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
+    ids = prompt_ids(llm.tokenizer, args.prompt_tokens, "run 0")  # also what transformers gets
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([ids[:32]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    llm.generate([prompt_ids(llm.tokenizer, 32, "warm-up")], SamplingParams(max_tokens=4, temperature=0.0),
+                 use_tqdm=False)
     samples = []
-    for _ in range(args.runs):
+    for r in range(args.runs):
         t = time.monotonic()
-        out = llm.generate([ids], params, use_tqdm=False)[0]
+        out = llm.generate([prompt_ids(llm.tokenizer, args.prompt_tokens, f"run {r}")], params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
         samples.append((out.metrics["first_token_time"] - t, out.metrics["finished_time"] - t))
     res = _median_rates(samples, args.prompt_tokens, args.output_tokens)
     res["load_s"] = round(load_s, 2)

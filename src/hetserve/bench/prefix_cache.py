@@ -109,12 +109,12 @@ def main(args) -> int:
     llm = _engine(args)
     tok = llm.tokenizer
     # Distinct prompts per run, so that nothing is warm by accident.
-    docs = make_prompts(tok, 2 * args.runs, 880)
-    suffix = make_prompts(tok, 1, 24)[0][::-1]
+    docs = make_prompts(tok, 2 * args.runs, 880, "document")
+    suffix = make_prompts(tok, 1, 24, "question")[0]
     report["warm_reuse"] = warm_reuse(llm, docs, suffix, args.runs)
     print("warm reuse:", report["warm_reuse"], file=sys.stderr)
     del llm
-    prompts = [p[::-1] for p in make_prompts(tok, args.runs, 532)]
+    prompts = make_prompts(tok, args.runs, 532, "shared prompt")
 
     report["publication"] = []
     for n in args.sizes:

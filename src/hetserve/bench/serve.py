@@ -63,10 +63,17 @@ async def _run(args) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=1000)) as c:
-        text = "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n" * 8
-        ids = (await c.post(args.url + "/tokenize", json={"prompt": text}, headers=headers)).json()["tokens"]
-        base = ids * (args.input_tokens // len(ids) + 2)
-        prompts = [base[7 * i % len(ids):][: args.input_tokens] for i in range(args.num_prompts)]
+        async def tokenize(text: str) -> list[int]:
+            r = await c.post(args.url + "/tokenize", json={"prompt": text}, headers=headers)
+            return r.json()["tokens"]
+
+        body = await tokenize("def merge_sort(items):\n    if len(items) <= 1:\n        return items\n" * 8)
+        body = body * (args.input_tokens // len(body) + 2)
+        # A distinct head per prompt (and per run) so that no prompt shares a KV page with another:
+        # this measures serving, not prefix-cache hits.
+        nonce = random.Random().getrandbits(32)
+        prompts = [((await tokenize(f"# request {nonce}-{i}\n")) + body)[: args.input_tokens]
+                   for i in range(args.num_prompts)]
         sem = asyncio.Semaphore(args.max_concurrency)
         rng = random.Random(args.seed)
 

@@ -1,7 +1,7 @@
 """`hetserve bench throughput`: offline batch throughput at several --max-num-seqs, vs HF transformers.
 
-All prompts are distinct and exactly --input-tokens long (a fixed text tiled, each
-prompt starting at a different offset); greedy, EOS ignored, --output-tokens each.
+All prompts are exactly --input-tokens long and share no KV page (a fixed text tiled
+behind a distinct first line); greedy, EOS ignored, --output-tokens each.
 HF transformers runs batched `generate()` on the same token ids in batches of
 --hf-batch-size (all prompts have the same length, so no padding is involved).
 """
@@ -15,9 +15,9 @@ import time
 from .latency import prompt_ids
 
 
-def make_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
-    base = prompt_ids(tokenizer, length + 7 * num)
-    return [base[7 * i: 7 * i + length] for i in range(num)]
+def make_prompts(tokenizer, num: int, length: int, name: str = "prompt") -> list[list[int]]:
+    """num prompts of exactly `length` tokens that share no KV page (distinct heads)."""
+    return [prompt_ids(tokenizer, length, f"{name} {i}") for i in range(num)]
 
 
 def run_hetserve(args, engine_kw: dict, n: int) -> dict:
