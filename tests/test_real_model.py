@@ -10,9 +10,9 @@ import torch
 from hetserve import SamplingParams
 from hetserve.layers.attention import AttentionMetadata
 
-# fp32 on both sides, different kernels and summation orders: measured max |diff| is
-# ~1e-3 on logits of magnitude ~20; 2e-2 leaves room for other BLAS builds.
-LOGIT_ATOL = 2e-2
+# fp32 on both sides, different kernels and summation orders: measured max |diff| is 1.05e-5
+# on logits of magnitude ~20 (MKL, AVX2); 1e-3 leaves room for other BLAS builds.
+LOGIT_ATOL = 1e-3
 
 
 def test_prompt_tokens_match_hf(real_llm, reference):
@@ -48,4 +48,5 @@ def test_teacher_forced_logits_close(real_llm, reference):
         lse = torch.tensor(case["tf_logsumexp"])
         assert torch.allclose(torch.logsumexp(logits, -1), lse, atol=LOGIT_ATOL)
         assert torch.equal(logits.argmax(-1), top_ids[:, 0])
+    print(f"\nteacher-forced logits: max |ours - HF| over top-10 = {worst:.2e} (tolerance {LOGIT_ATOL})")
     assert worst < LOGIT_ATOL, worst
