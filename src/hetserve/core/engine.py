@@ -24,6 +24,29 @@ class RequestRejected(ValueError):
     """A request that can never run here (too long for the context or the KV pool)."""
 
 
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, num_pages: int,
+                       page_size: int) -> int:
+    """Resolve max_tokens (None = up to the context or the KV pool) and reject, with the numbers,
+    a request that can never fit. The server's frontend applies the same rule before sending."""
+    if prompt_len == 0:
+        raise RequestRejected("the prompt is empty")
+    capacity = num_pages * page_size
+    if max_tokens is None:
+        max_tokens = min(max_model_len, capacity) - prompt_len
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        raise RequestRejected(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's "
+            f"context of {max_model_len} tokens")
+    if total > capacity:
+        raise RequestRejected(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache of "
+            f"{capacity} tokens ({num_pages} pages of {page_size}); raise --kv-cache-memory")
+    if max_tokens < 1:
+        raise RequestRejected(f"prompt ({prompt_len} tokens) leaves no room to generate within {max_model_len}")
+    return max_tokens
+
+
 class EngineCore:
     def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int],
                  model_id: str | None = None):
@@ -52,25 +75,8 @@ class EngineCore:
 
     # -- admission -----------------------------------------------------------------------------
     def max_tokens_for(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Resolve max_tokens (None = up to the context) and reject requests that can never fit."""
-        if prompt_len == 0:
-            raise RequestRejected("the prompt is empty")
-        limit = self.max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = min(limit, self.pool.num_blocks * self.pool.page_size - prompt_len)
-        total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's "
-                f"context of {self.max_model_len} tokens")
-        capacity = self.pool.num_blocks * self.pool.page_size
-        if self.pool.pages_for(total) > self.pool.num_blocks:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache of "
-                f"{capacity} tokens ({self.pool.num_blocks} pages of {self.pool.page_size}); raise --kv-cache-memory")
-        if max_tokens < 1:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) leaves no room to generate within {self.max_model_len}")
-        return max_tokens
+        return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, self.pool.num_blocks,
+                                  self.pool.page_size)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -117,7 +117,3 @@ class FlightCoordinator:
     @property
     def num_tracked(self) -> int:
         return len(self._role)
-
-    @property
-    def num_held(self) -> int:
-        return sum(1 for r in self._role.values() if r is Role.FOLLOWER)

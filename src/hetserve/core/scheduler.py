@@ -72,11 +72,10 @@ class Scheduler:
     # -- prefix cache ------------------------------------------------------------------------------
     def _hashes(self, req: Request) -> list[bytes]:
         """Hashes of every full page of the request's tokens (extended as tokens are added)."""
-        cache = self.prefix_cache
         if len(req.page_hashes) < req.num_tokens // self.pool.page_size:
-            parent = req.page_hashes[-1] if req.page_hashes else cache.root(req.cache_salt)
+            parent = req.page_hashes[-1] if req.page_hashes else self.prefix_cache.root(req.cache_salt)
             req.page_hashes += chain_hashes(parent, req.all_token_ids, self.pool.page_size,
-                                            start=len(req.page_hashes), parent=parent)
+                                            start=len(req.page_hashes))
         return req.page_hashes
 
     def _restore(self, req: Request) -> None:

@@ -47,15 +47,8 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
-
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def ref_count(self, page: int) -> int:
-        return self._refs[page]
 
     # -- cache state (set by the prefix cache) -------------------------------------------------
     def set_cached(self, page: int, cached: bool) -> None:

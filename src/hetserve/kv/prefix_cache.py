@@ -30,10 +30,10 @@ def page_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
-def chain_hashes(root: bytes, token_ids: list[int], page_size: int, start: int = 0,
-                 parent: bytes | None = None) -> list[bytes]:
-    """Hashes of the full pages of token_ids from page `start` on (parent: hash of page start-1)."""
-    out, prev = [], parent if parent is not None else root
+def chain_hashes(parent: bytes, token_ids: list[int], page_size: int, start: int = 0) -> list[bytes]:
+    """Hashes of the full pages of token_ids from page `start` on; parent is the hash of page
+    start - 1, or the root hash when start is 0."""
+    out, prev = [], parent
     for i in range(start, len(token_ids) // page_size):
         prev = page_hash(prev, token_ids[i * page_size:(i + 1) * page_size])
         out.append(prev)
@@ -75,9 +75,6 @@ class PrefixCache:
 
     def root(self, cache_salt: str | None) -> bytes:
         return root_hash(self.model_id, cache_salt)
-
-    def published_hashes(self) -> set[bytes]:
-        return set(self._by_hash)
 
     def lookup(self, hashes: list[bytes], token_ids: list[int]) -> list[int]:
         """Take a reference on the longest cached run of pages matching `hashes`, limited to

@@ -194,10 +194,12 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         return out
 
     async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool):
+        # n choices per prompt share its id list (usage counts each prompt once).
+        choice_prompts = [ids for ids in prompts for _ in range(body.n)]
         try:
             fe.check_capacity()
-            params = [body.sampling_params(max_tokens, logprobs, j) for _ in prompts for j in range(body.n)]
-            for p, ids in zip(params, [ids for ids in prompts for _ in range(body.n)]):
+            params = [body.sampling_params(max_tokens, logprobs, i % body.n) for i in range(len(choice_prompts))]
+            for p, ids in zip(params, choice_prompts):
                 p.max_tokens = fe.check_length(len(ids), p.max_tokens)
         except ServiceUnavailable as e:
             raise APIError(503, str(e)) from None
@@ -205,7 +207,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        jobs = [(i, ids, params[i]) for i, ids in enumerate(ids for ids in prompts for _ in range(body.n))]
+        jobs = list(zip(range(len(choice_prompts)), choice_prompts, params))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(jobs, rid, created, chat, include_usage, body.cache_salt),
@@ -213,21 +215,20 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         return await _collect(jobs, rid, created, chat, request, body.cache_salt)
 
     def _logprobs_entry(delta_logprobs: list[dict[int, float]], token_ids: list[int], chat: bool, n: int):
+        def piece(t: int) -> str:
+            return fe.tokenizer.decode([t], False)
+
+        def top(lps: dict[int, float]) -> list[tuple[str, float]]:
+            return [(piece(t), v) for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:n]]
+
         if chat:
-            content = []
-            for tok, lps in zip(token_ids, delta_logprobs):
-                top = sorted(lps.items(), key=lambda kv: -kv[1])[:n]
-                content.append({"token": fe.tokenizer.decode([tok], False), "logprob": lps.get(tok),
-                                "bytes": list(fe.tokenizer.decode([tok], False).encode()),
-                                "top_logprobs": [{"token": fe.tokenizer.decode([t], False), "logprob": v,
-                                                  "bytes": list(fe.tokenizer.decode([t], False).encode())}
-                                                 for t, v in top]})
-            return {"content": content}
-        return {"tokens": [fe.tokenizer.decode([t], False) for t in token_ids],
+            return {"content": [
+                {"token": piece(tok), "logprob": lps.get(tok), "bytes": list(piece(tok).encode()),
+                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top(lps)]}
+                for tok, lps in zip(token_ids, delta_logprobs)]}
+        return {"tokens": [piece(t) for t in token_ids],
                 "token_logprobs": [lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
-                "top_logprobs": [{fe.tokenizer.decode([t], False): v
-                                  for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:n]}
-                                 for lps in delta_logprobs]}
+                "top_logprobs": [dict(top(lps)) for lps in delta_logprobs]}
 
     async def _run(ids, params, cache_salt) -> AsyncIterator[Delta]:
         try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from ..core.engine import resolve_max_tokens
 from ..core.output_processor import RequestState
 from ..models import registry
 from ..models.gguf_loader import GGUFFile
@@ -143,8 +144,8 @@ class Frontend:
         return min(w.ready.max_model_len for w in self.workers if w.ready)
 
     @property
-    def kv_capacity_tokens(self) -> int:
-        return max(w.ready.num_pages * w.ready.page_size for w in self.workers if w.ready)
+    def _largest_pool(self) -> ipc.Ready:
+        return max((w.ready for w in self.workers if w.ready), key=lambda r: r.num_pages * r.page_size)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the workers, wait for them (kill if they hang)."""
@@ -180,20 +181,8 @@ class Frontend:
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """Resolve max_tokens; ValueError with the numbers if the request can never run."""
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        limit = min(self.max_model_len, self.kv_capacity_tokens)
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens}"
-                             f" exceeds the model's context of {self.max_model_len} tokens")
-        if prompt_len + max_tokens > self.kv_capacity_tokens:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens}"
-                             f" exceeds the KV cache of {self.kv_capacity_tokens} tokens")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room to generate")
-        return max_tokens
+        pool = self._largest_pool
+        return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size)
 
     def _pick_worker(self) -> WorkerHandle:
         live = [w for w in self.workers if w.alive]
