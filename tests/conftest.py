@@ -51,4 +51,4 @@ def reference() -> dict:
 def real_llm(real_05b):
     from hetserve import LLM
 
-    return LLM(model=real_05b, kv_cache_memory="512MiB")
+    return LLM(model=real_05b, kv_cache_memory="512MiB", weight_format="fp32")  # the reference is fp32

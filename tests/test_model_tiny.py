@@ -54,7 +54,7 @@ def test_logits_equal_transformers(arch, tiny_qwen2, tiny_llama):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_generation_equals_transformers(arch, tiny_qwen2, tiny_llama):
     path = tiny_qwen2 if arch == "qwen2" else tiny_llama
-    llm = LLM(model=path, kv_cache_memory="4MiB", page_size=4)
+    llm = LLM(model=path, kv_cache_memory="4MiB", page_size=4, weight_format="fp32")
     prompts = [[5, 17, 300, 42], [99, 7, 1, 2, 3, 250, 11, 12, 13, 14, 15], [60]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     ref_model = hf_model(path)

@@ -31,6 +31,13 @@ class LLM:
         self.config, self.engine = loaded.config, loaded.engine
         self._ids = itertools.count()
 
+    def perplexity(self, prompt: Prompt, chunk: int = 32) -> float:
+        """Teacher-forced perplexity of a text (or token ids) under this engine's weights, fed
+        `chunk` tokens per forward (chunks up to quant_max_rows run the int8/int4 kernels)."""
+        from .models.perplexity import perplexity
+
+        return perplexity(self.model, self.encode(prompt), chunk)
+
     # -- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Text is tokenized as plain text (special-token spellings stay text); lists are token ids."""

@@ -37,6 +37,8 @@ class EngineConfig:
     trace_directory: str | None = None  # write a Chrome/Perfetto trace per process here
     torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
+    weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int4 on CPUs with AVX2, else fp32)
+    quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "page_size"):
@@ -53,6 +55,10 @@ class EngineConfig:
             raise ValueError(f"unknown single-flight mode {self.single_flight!r} (off, at-completion, after-prefill)")
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
+        if self.weight_format not in ("auto", "fp32", "int8", "int4"):
+            raise ValueError(f"unknown weight format {self.weight_format!r} (auto, fp32, int8, int4)")
+        if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
+            raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
 
     @classmethod

@@ -59,6 +59,7 @@ class EngineCore:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no page of {per_page} bytes")
         model.policy.deterministic = config.deterministic
         model.policy.gemv_max_rows = config.gemv_max_rows
+        model.policy.quant_max_rows = config.quant_max_rows
         self.pool = BlockPool(num_pages, config.page_size)
         # The contiguous layout reserves whole regions per request, so it shares no pages.
         caching = config.enable_prefix_caching and config.kv_cache == "paged"

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import trace
 from ..layers.dtypes import resolve_dtype
+from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
 from ..models.decoder import DecoderModel
 from ..models.gguf_loader import GGUFFile
@@ -33,11 +34,13 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     if unknown:
         raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
     path = registry.resolve(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
+    config.weight_format = resolve_weight_format(config.weight_format, device)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
-        torch_dtype = resolve_dtype(dtype, device)
         decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
-    config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
+    decoder.quantize_weights(config.weight_format)
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.

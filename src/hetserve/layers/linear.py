@@ -1,6 +1,9 @@
-"""Linear layers, with the small-batch matmul choice and batch-invariant mode.
+"""Linear layers: the per-step choice between fp32 GEMM and a quantized kernel, the
+small-batch matmul choice, and batch-invariant mode.
 
-Weights are stored [out, in] as loaded; later weight formats plug in here.
+Weights are stored [out, in] as loaded (fp32); a quantized copy (layers/weight_formats.py)
+serves steps of at most `quant_max_rows` rows, where reading fewer bytes wins, and fp32 GEMM
+serves larger steps, where compute dominates.
 """
 
 from __future__ import annotations
@@ -11,15 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
+from .weight_formats import QuantizedWeight
 
 
 @dataclass
 class MatmulPolicy:
     """Shared by all linears of a model. gemv_max_rows: with 2..N rows, run one matrix-vector
-    product per row instead of one matrix-matrix product (0 or 1 = never)."""
+    product per row instead of one matrix-matrix product (0 or 1 = never). quant_max_rows: steps
+    of up to this many rows use the quantized weights, if any. Deterministic mode always uses
+    them when present (the kernel sums each row in the same order whatever the row count)."""
 
     gemv_max_rows: int = 0
     deterministic: bool = False
+    quant_max_rows: int = 32
 
 
 def batch_invariant_rows(m: int) -> int:
@@ -33,7 +40,7 @@ def batch_invariant_rows(m: int) -> int:
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "policy", "name")
+    __slots__ = ("weight", "bias", "policy", "name", "qweight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None,
                  name: str = "linear"):
@@ -41,10 +48,14 @@ class Linear:
         self.bias = bias
         self.policy = policy or MatmulPolicy()
         self.name = name
+        self.qweight: QuantizedWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         p = self.policy
+        if self.qweight is not None and (p.deterministic or m <= p.quant_max_rows):
+            with trace.span("matmul", op=self.name, impl=self.qweight.fmt, rows=m):
+                return self.qweight.matmul(x, self.bias)
         if p.deterministic:
             padded = batch_invariant_rows(m)
             if padded != m:

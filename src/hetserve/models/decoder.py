@@ -19,6 +19,7 @@ from ..layers.attention import AttentionMetadata, paged_attention
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
+from ..layers.weight_formats import GROUP, quantize
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
 
@@ -60,6 +61,7 @@ class DecoderModel:
         self.device = device
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.load_seconds = 0.0
+        self.weight_format = "fp32"
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
 
     @classmethod
@@ -108,6 +110,24 @@ class DecoderModel:
         model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
         model.load_seconds = time.perf_counter() - t0
         return model
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up,
+                                                         layer.down)] + [self.lm_head]
+
+    def quantize_weights(self, fmt: str) -> int:
+        """Add a quantized copy of every linear's weight (fp32 stays for large steps and for
+        exactness); returns the bytes added. Linears whose width is not a multiple of the
+        format's group stay fp32."""
+        added = 0
+        if fmt == "fp32":
+            return added
+        for lin in self.linears():
+            if lin.weight.shape[1] % GROUP == 0:
+                lin.qweight = quantize(lin.weight, fmt)
+                added += lin.qweight.nbytes
+        self.weight_format = fmt
+        return added
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config

@@ -1,0 +1,126 @@
+"""Weight formats for linear layers: fp32 (exact) and the CPU integer formats int8 and int4.
+
+int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127).
+int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15).
+Both run in a small AVX2 extension (csrc/qlinear.cpp) that quantizes each activation row to
+int8 per group of 32 on the fly and uses integer multiply-adds; it is built once per machine
+with torch.utils.cpp_extension into the model cache directory (`make install` builds it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+FORMATS = ("auto", "fp32", "int8", "int4")
+# `auto` picks this where the extension runs (measured in docs/benchmarks.md, "CPU fast path").
+AUTO_CPU_FORMAT = "int4"
+
+
+class WeightFormatUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_has_avx2() -> bool:
+    return str(torch.backends.cpu.get_cpu_capability()).upper().startswith(("AVX2", "AVX512"))
+
+
+@functools.cache
+def kernels():
+    """The compiled extension; built on first use (about a minute), then loaded from the cache."""
+    if not _cpu_has_avx2():
+        raise WeightFormatUnavailable(f"int8/int4 kernels need AVX2; this CPU reports "
+                                      f"{torch.backends.cpu.get_cpu_capability()}")
+    from torch.utils import cpp_extension
+
+    from ..models.registry import cache_dir
+
+    build = cache_dir() / "extensions" / f"torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    source = Path(__file__).with_name("csrc") / "qlinear.cpp"
+    try:
+        return cpp_extension.load("hetserve_qlinear", [str(source)], build_directory=str(build),
+                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers: say so in one line
+        raise WeightFormatUnavailable(f"could not build the int8/int4 CPU kernels ({type(e).__name__}: "
+                                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
+                                      f"a C++ compiler is needed, or use --weight-format fp32") from None
+
+
+def resolve_weight_format(fmt: str, device: str | torch.device) -> str:
+    """Map --weight-format to the format used on `device`, warning where it cannot run there."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if torch.device(device).type != "cpu":
+        if fmt in ("int8", "int4"):
+            log.warning("weight format %s has CPU kernels only; using the activation dtype on %s", fmt, device)
+        return "fp32"
+    if fmt == "fp32":
+        return fmt
+    try:
+        kernels()
+    except WeightFormatUnavailable as e:
+        if fmt == "auto":
+            log.warning("%s; using fp32 weights", e)
+            return "fp32"
+        raise
+    return AUTO_CPU_FORMAT if fmt == "auto" else fmt
+
+
+@dataclass
+class QuantizedWeight:
+    fmt: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.float().contiguous()
+        if self.fmt == "int8":
+            return kernels().int8_linear(x, self.q, self.scale, bias)
+        return kernels().int4_linear(x, self.q, self.scale, self.min, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        n = self.q.shape[0]
+        if self.fmt == "int8":
+            return (self.q.view(n, -1, GROUP).float() * self.scale.float()[..., None]).view(n, -1)
+        q = _unpack_int4(self.q)
+        return (q.float() * self.scale.float()[..., None] + self.min.float()[..., None]).view(n, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n = packed.shape[0]
+    g = packed.view(n, -1, GROUP // 2)
+    return torch.cat([g & 0x0F, g >> 4], dim=-1)  # [n, groups, 32] in element order
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """w: [out, in] float, `in` a multiple of 32 (one pass in the extension)."""
+    if w.shape[1] % GROUP:
+        raise ValueError(f"{fmt} needs an input width that is a multiple of {GROUP}, got {w.shape[1]}")
+    w = w.detach().float().contiguous()
+    if fmt == "int8":
+        return QuantizedWeight("int8", *kernels().quantize_int8(w))
+    if fmt == "int4":
+        return QuantizedWeight("int4", *kernels().quantize_int4(w))
+    raise ValueError(f"cannot quantize to {fmt!r}")
+
+
+if __name__ == "__main__":  # `make install` builds the kernels once, so no first request waits for it
+    try:
+        kernels()
+        print("int8/int4 CPU kernels: ready")
+    except WeightFormatUnavailable as e:
+        print(f"int8/int4 CPU kernels unavailable ({e}); --weight-format auto will use fp32")
