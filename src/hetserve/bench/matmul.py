@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 def _shapes(cfg) -> list[tuple[str, int, int]]:
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    return [("q", cfg.num_heads * cfg.head_dim, h), ("k", kv, h), ("v", kv, h), ("o", h, cfg.num_heads * cfg.head_dim),
-            ("gate", cfg.intermediate_size, h), ("up", cfg.intermediate_size, h), ("down", h, cfg.intermediate_size)]
+    q = cfg.num_heads * cfg.head_dim
+    return [("qkv", q + 2 * kv, h), ("o", h, q), ("gate_up", 2 * cfg.intermediate_size, h),
+            ("down", h, cfg.intermediate_size)]  # as fused at load
 
 
 def _time(fn, repeats: int) -> float:

@@ -26,14 +26,14 @@ from .gguf_loader import GGUFFile
 
 @dataclass
 class DecoderLayer:
+    """Q, K and V are one fused linear, and so are gate and up: one matmul (one pass over the
+    activations, one thread fork/join) where there were three and two."""
+
     attn_norm: torch.Tensor
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: Linear
     o: Linear
     mlp_norm: torch.Tensor
-    gate: Linear
-    up: Linear
+    gate_up: Linear
     down: Linear
 
 
@@ -43,8 +43,7 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-_SHORT_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
-                "ffn_up": "up", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
+_SHORT_NAMES = {"attn_output": "o", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
 
 
 class DecoderModel:
@@ -63,6 +62,7 @@ class DecoderModel:
         self.load_seconds = 0.0
         self.weight_format = "fp32"
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
+        self.qkv_sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -78,13 +78,20 @@ class DecoderModel:
                 raise ModelConfigError(f"{path}: missing tensor {name!r}")
             return f.load_tensor(name).to(device=device, dtype=dtype)
 
-        def lin(name: str, bias: bool = False, unpermute: int = 0) -> Linear:
+        def weight(name: str, bias: bool = False, unpermute: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
             w = t(name + ".weight")
             b = t(name + ".bias") if bias else None
             if unpermute:
                 w = _unpermute_qk(w, unpermute)
                 b = None if b is None else _unpermute_qk(b, unpermute)
-            return Linear(w.contiguous(), b, policy, name=_SHORT_NAMES[name.split(".")[-1]])
+            return w, b
+
+        def lin(name: str) -> Linear:
+            return Linear(weight(name)[0].contiguous(), None, policy, name=_SHORT_NAMES[name.split(".")[-1]])
+
+        def fused(parts: list[tuple[torch.Tensor, torch.Tensor | None]], name: str) -> Linear:
+            bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])
+            return Linear(torch.cat([w for w, _ in parts]).contiguous(), bias, policy, name=name)
 
         llama = cfg.arch == "llama"
         layers = []
@@ -93,13 +100,12 @@ class DecoderModel:
             layers.append(
                 DecoderLayer(
                     attn_norm=t(p + "attn_norm.weight"),
-                    q=lin(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
-                    k=lin(p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
-                    v=lin(p + "attn_v", cfg.attention_bias),
+                    qkv=fused([weight(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
+                               weight(p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
+                               weight(p + "attn_v", cfg.attention_bias)], "qkv"),
                     o=lin(p + "attn_output"),
                     mlp_norm=t(p + "ffn_norm.weight"),
-                    gate=lin(p + "ffn_gate"),
-                    up=lin(p + "ffn_up"),
+                    gate_up=fused([weight(p + "ffn_gate"), weight(p + "ffn_up")], "gate_up"),
                     down=lin(p + "ffn_down"),
                 )
             )
@@ -112,8 +118,7 @@ class DecoderModel:
         return model
 
     def linears(self) -> list[Linear]:
-        return [lin for layer in self.layers for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up,
-                                                         layer.down)] + [self.lm_head]
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def quantize_weights(self, fmt: str) -> int:
         """Add a quantized copy of every linear's weight (fp32 stays for large steps and for
@@ -154,7 +159,7 @@ class DecoderModel:
                     with trace.span("attn"):
                         x = rms_norm(h, layer.attn_norm, c.rms_eps)
                         with trace.span("qkv"):
-                            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+                            q, k, v = layer.qkv(x).split(self.qkv_sizes, dim=-1)
                         with trace.span("rope"):
                             q = RotaryEmbedding.apply(q.view(t, c.num_heads, c.head_dim), cos, sin)
                             k = RotaryEmbedding.apply(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
@@ -162,7 +167,8 @@ class DecoderModel:
                         h = h + layer.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
                     with trace.span("mlp"):
                         x = rms_norm(h, layer.mlp_norm, c.rms_eps)
-                        h = h + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+                        gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
+                        h = h + layer.down(F.silu(gate) * up)
             return rms_norm(h, self.final_norm, c.rms_eps)
 
     @torch.inference_mode()
