@@ -126,3 +126,21 @@ def test_a_dead_worker_leaves_the_other_serving(pair):
                for line in routed(pair.log)[-3:])
     pinned = httpx.post(pair.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "worker": "cpu1"})
     assert pinned.status_code == 503
+
+
+def test_llm_with_several_devices_routes_in_worker_processes(tiny_qwen2, tmp_path):
+    prompts = [[(5 * i + 2 * k) % 390 + 1 for k in range(30 + 7 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    one = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True)
+    expected = one.generate(prompts, params, use_tqdm=False)
+    log = tmp_path / "route.jsonl"
+    with LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True, route_log=str(log),
+             devices=["cpu:threads=1", "cpu:threads=1"], route_policy="round-robin") as llm:
+        assert llm.engine is None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        streamed = "".join(llm.stream(prompts[0], params))
+        assert llm.last_output.token_ids == expected[0].token_ids
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert [o.text for o in outs] == [o.text for o in expected] and streamed == expected[0].text
+    assert all(o.finish_reason == "length" for o in outs)
+    assert [line["choice"] for line in routed(log)] == ["cpu0", "cpu1", "cpu0", "cpu1", "cpu0"]
