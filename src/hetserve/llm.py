@@ -39,7 +39,8 @@ class LLM:
             self._routed = RoutedEngine(model, list(devices), dtype, engine_kwargs, route_policy=route_policy,
                                         route_log=route_log, profiles=profiles, max_queued_requests=1 << 30)
             fe = self._routed.frontend
-            self.path, self.tokenizer, self.model, self.config, self.engine = fe.model_path, fe.tokenizer, None, None, None
+            self.path, self.tokenizer = fe.model_path, fe.tokenizer
+            self.model = self.config = self.engine = None
             return
         if devices:  # one device: in this process, with its overrides
             from .serving.devices import parse_devices

@@ -312,10 +312,11 @@ def main(args) -> int:
                         case["simulated"] = sim
                         case["errors"] = err = _errors(case, sim)
                         errors.append(err)
-                        print(f"  validate {n} {policy} run {run}: completion real {case['summary']['completion_s']:.2f}s"
-                              f" sim {sim['summary']['completion_s']:.2f}s ({100 * err['completion_err']:.1f}%), "
-                              f"E2E mean |err| {100 * err['e2e_mean_abs_err']:.1f}%, same worker "
-                              f"{100 * err['same_worker']:.0f}%", flush=True)
+                        real_s, sim_s = case["summary"]["completion_s"], sim["summary"]["completion_s"]
+                        print(f"  validate {n} {policy} run {run}: completion real {real_s:.2f}s sim {sim_s:.2f}s "
+                              f"({100 * err['completion_err']:.1f}%), E2E mean |err| "
+                              f"{100 * err['e2e_mean_abs_err']:.1f}%, same worker {100 * err['same_worker']:.0f}%",
+                              flush=True)
                 cases.append(case)
                 s = case["summary"]
                 print(f"{mode} {n} requests, {policy}, run {run}: completion {s['completion_s']:.2f}s, "
@@ -327,11 +328,10 @@ def main(args) -> int:
     print(f"\n{mode}: {', '.join(f'{n} = {d}' for n, d in zip(names, devices))}; medians of "
           f"{1 if args.simulate else args.runs} run(s)\n{table}")
     if errors:
-        summary_err = {k: statistics.mean(e[k] for e in errors) for k in errors[0]}
-        report["validation"] = summary_err
-        print(f"\nsimulator vs real, mean over {len(errors)} runs: completion time {100 * summary_err['completion_err']:.1f}%, "
-              f"per-request E2E {100 * summary_err['e2e_mean_abs_err']:.1f}%, TTFT "
-              f"{100 * summary_err['ttft_mean_abs_err']:.1f}%, same worker {100 * summary_err['same_worker']:.0f}%")
+        e = report["validation"] = {k: statistics.mean(x[k] for x in errors) for k in errors[0]}
+        print(f"\nsimulator vs real, mean over {len(errors)} runs: completion time {100 * e['completion_err']:.1f}%, "
+              f"per-request E2E {100 * e['e2e_mean_abs_err']:.1f}%, TTFT {100 * e['ttft_mean_abs_err']:.1f}%, "
+              f"same worker {100 * e['same_worker']:.0f}%")
     report["table"] = table
     with open(os.path.join(args.out, f"routing-{mode}.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -345,8 +345,8 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     add_model_flag(p)
     p.add_argument("--inference-device", action="append", default=None,
                    help="a worker (repeatable; the first is the fast one that forced routing uses). Default: "
-                        "cuda + cpu:threads=<cores-2> with a GPU; else cpu:threads=<cores-2> + cpu:threads=1 with 4 or more "
-                        "cores; else cpu:threads=1 + cpu:threads=1,deterministic=true")
+                        "cuda + cpu:threads=<cores-2> with a GPU; else cpu:threads=<cores-2> + cpu:threads=1 with "
+                        "4 or more cores; else cpu:threads=1 + cpu:threads=1,deterministic=true")
     p.add_argument("--profile", action="append", default=[], help="worker profiles, one per worker, in order")
     p.add_argument("--policies", nargs="+", default=None, help="default: force:<first worker> cost")
     p.add_argument("--bursts", type=int, nargs="+", default=[8, 48])

@@ -8,6 +8,7 @@ thread. Calls block until their requests finish.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ class RoutedEngine:
         self._thread.start()
         self.frontend = Frontend(model, engine_kwargs, devices=devices, dtype=dtype, **frontend_kwargs)
         self._call(self.frontend.start())
+        atexit.register(self.close)  # stop the workers and remove the socket directory even without close()
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -60,7 +62,8 @@ class RoutedEngine:
             fut.cancel()  # a consumer that stops early aborts the request in its worker
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        if self._thread.is_alive() and not self._loop.is_closed():
+            atexit.unregister(self.close)
             self._call(self.frontend.shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
