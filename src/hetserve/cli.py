@@ -1,4 +1,4 @@
-"""hetserve command line: generate | chat | pull | bench."""
+"""hetserve command line: generate | chat | pull | serve | profile | bench."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .core.config import EngineConfig
 from .models import registry
 
 _ENGINE_HELP = {
-    "device": "device to run on (cpu, cuda, cuda:1)",
+    "device": "device to run on: cpu, cpu:threads=N, cuda, cuda:N or gpu (the next accelerator); serve takes "
+              "several (one worker each), each with optional ,key=value overrides, e.g. cpu:threads=1,dtype=float32",
     "dtype": "activation dtype (float32; bfloat16/float16 fall back to float32 where they have no fast kernels)",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
     "max_num_seqs": "most requests running at once",
@@ -168,6 +169,33 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure one worker in isolation and write the profile `serve --profile` reads."""
+    import torch
+
+    from .core import profiling
+    from .core.loading import load_engine
+    from .serving.devices import parse_devices
+    from .serving.router import Profile
+
+    kw = engine_kwargs(args)
+    device, dtype = kw.pop("device"), kw.pop("dtype")
+    spec = parse_devices([device], kw, dtype)[0]
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    loaded = load_engine(args.model, spec.device, spec.dtype, **spec.engine)
+    t0 = time.monotonic()
+    rates = profiling.measure(loaded.engine, decode_steps=args.decode_steps)
+    prof = Profile(rates["prefill"], rates["decode"], device, args.model).to_json()
+    prof["measured_s"] = round(time.monotonic() - t0, 2)
+    text = json.dumps(prof, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -194,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(registry.MODELS))
     p.add_argument("--force", action="store_true", help="pull again even if the cached file is intact")
     p.set_defaults(func=cmd_pull)
+
+    pr = sub.add_parser("profile", help="measure one worker's prefill and decode rates for the router")
+    add_model_flag(pr)
+    pr.add_argument("--out", default=None, help="write the profile JSON here (serve --profile FILE reads it)")
+    pr.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
+    add_engine_flags(pr)
+    pr.set_defaults(func=cmd_profile)
 
     b = sub.add_parser("bench", help="benchmarks (each compares two things in one run)")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -19,17 +19,52 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """One engine on one device, run in this process.
+    """One engine on one device, run in this process; or, with several `devices`, one worker
+    process per device behind the server's router (as `hetserve serve` runs them).
 
     Every engine setting is a keyword argument named like its CLI flag
-    (`--max-num-seqs` is `max_num_seqs`)."""
+    (`--max-num-seqs` is `max_num_seqs`). `devices` takes `--inference-device` values
+    (`["cpu:threads=1", "cuda"]`, with optional ",key=value" overrides); with several, `engine`
+    is None, `route_policy` / `route_log` / `profiles` (profile JSON objects) work as on
+    `serve`, and `close()` stops the workers."""
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
-                 **engine_kwargs: Any):
+                 devices: list[str] | None = None, route_policy: str | None = None, route_log: str | None = None,
+                 profiles: list[dict] | None = None, **engine_kwargs: Any):
+        self._ids = itertools.count()
+        self._routed = None
+        if devices and len(devices) > 1:
+            from .serving.routed_llm import RoutedEngine
+
+            self._routed = RoutedEngine(model, list(devices), dtype, engine_kwargs, route_policy=route_policy,
+                                        route_log=route_log, profiles=profiles, max_queued_requests=1 << 30)
+            fe = self._routed.frontend
+            self.path, self.tokenizer = fe.model_path, fe.tokenizer
+            self.model = self.config = self.engine = None
+            return
+        if devices:  # one device: in this process, with its overrides
+            from .serving.devices import parse_devices
+
+            spec = parse_devices(list(devices), engine_kwargs, dtype)[0]
+            if spec.threads:
+                import torch
+
+                torch.set_num_threads(spec.threads)
+            device, dtype, engine_kwargs = spec.device, spec.dtype, spec.engine
         loaded = load_engine(model, device, dtype, **engine_kwargs)
         self.path, self.tokenizer, self.model = loaded.path, loaded.tokenizer, loaded.model
         self.config, self.engine = loaded.config, loaded.engine
-        self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the worker processes (several devices); nothing to do for one."""
+        if self._routed is not None:
+            self._routed.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def perplexity(self, prompt: Prompt, chunk: int = 32) -> float:
         """Teacher-forced perplexity of a text (or token ids) under this engine's weights, fed
@@ -60,6 +95,10 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if self._routed is not None:
+            ids = [self.encode(p) for p in prompts]
+            return self._routed.generate(ids, [SamplingParams(**vars(sp)) for sp in params],
+                                         [f"req-{next(self._ids)}" for _ in ids])
         # Copy params: the engine resolves max_tokens per request.
         states = [self._add(self.encode(p), SamplingParams(**vars(sp))) for p, sp in zip(prompts, params)]
         by_id = {s.req.request_id: s for s in states}
@@ -84,6 +123,14 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request as they are generated; the final RequestOutput is
         available as `self.last_output` afterwards."""
+        if self._routed is not None:
+            for item in self._routed.stream(self.encode(prompt), SamplingParams(**vars(params or SamplingParams())),
+                                            f"req-{next(self._ids)}"):
+                if isinstance(item, str):
+                    yield item
+                else:
+                    self.last_output = item
+            return
         st = self._add(self.encode(prompt), SamplingParams(**vars(params or SamplingParams())))
         out = self._output(st)
         try:

@@ -63,11 +63,18 @@ class PrefixCache:
     pool: BlockPool
     model_id: str
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    track_changes: bool = False  # a worker reports published/evicted hashes to the router
 
     def __post_init__(self) -> None:
         self._by_hash: dict[bytes, _Entry] = {}
         self._hash_of: dict[int, bytes] = {}
+        self._changes: dict[bytes, bool] = {}  # hash -> cached now, since the last drain
         self.pool.on_evict = self._evicted
+
+    def drain_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(published, evicted) page hashes since the last call; the latest change of a hash wins."""
+        changes, self._changes = self._changes, {}
+        return [h for h, c in changes.items() if c], [h for h, c in changes.items() if not c]
 
     @property
     def num_cached_pages(self) -> int:
@@ -104,8 +111,12 @@ class PrefixCache:
         self._hash_of[page] = h
         self.pool.set_cached(page, True)
         self.stats.published_tokens += len(token_ids)
+        if self.track_changes:
+            self._changes[h] = True
 
     def _evicted(self, page: int) -> None:
         h = self._hash_of.pop(page)
         del self._by_hash[h]
         self.stats.evicted_tokens += self.pool.page_size
+        if self.track_changes:
+            self._changes[h] = False

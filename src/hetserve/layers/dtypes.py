@@ -30,6 +30,10 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(DTYPES))}")
         dtype = DTYPES[name]
+    if torch.device(device).type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available() \
+            and not torch.cuda.is_bf16_supported():
+        log.warning("dtype bfloat16 is not supported on %s; falling back to float16", device)
+        return torch.float16
     if torch.device(device).type == "cpu" and not _cpu_has_native(dtype):
         log.warning("dtype %s has no fast kernels on this CPU (%s); falling back to float32", dtype,
                     torch.backends.cpu.get_cpu_capability())

@@ -210,9 +210,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         jobs = list(zip(range(len(choice_prompts)), choice_prompts, params))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(jobs, rid, created, chat, include_usage, body.cache_salt),
+            return StreamingResponse(_stream(jobs, rid, created, chat, include_usage, _route(body)),
                                      media_type="text/event-stream")
-        return await _collect(jobs, rid, created, chat, request, body.cache_salt)
+        return await _collect(jobs, rid, created, chat, request, _route(body))
 
     def _logprobs_entry(delta_logprobs: list[dict[int, float]], token_ids: list[int], chat: bool, n: int):
         def piece(t: int) -> str:
@@ -230,9 +230,12 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 "token_logprobs": [lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
                 "top_logprobs": [dict(top(lps)) for lps in delta_logprobs]}
 
-    async def _run(ids, params, cache_salt) -> AsyncIterator[Delta]:
+    def _route(body) -> dict:
+        return {"cache_salt": body.cache_salt, "worker": body.worker}
+
+    async def _run(ids, params, route: dict) -> AsyncIterator[Delta]:
         try:
-            async for d in fe.generate(ids, params, cache_salt):
+            async for d in fe.generate(ids, params, **route):
                 yield d
         except ServiceUnavailable as e:
             raise APIError(503, str(e)) from None
@@ -241,10 +244,10 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def _collect(jobs, rid, created, chat, request: Request, cache_salt):
+    async def _collect(jobs, rid, created, chat, request: Request, route: dict):
         async def one(i, ids, params):
             text, toks, lps, last = [], [], [], None
-            async for d in _run(ids, params, cache_salt):
+            async for d in _run(ids, params, route):
                 text.append(d.text)
                 toks += d.token_ids
                 lps += d.logprobs
@@ -294,13 +297,13 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
-    async def _stream(jobs, rid, created, chat, include_usage, cache_salt):
+    async def _stream(jobs, rid, created, chat, include_usage, route: dict):
         queue: asyncio.Queue = asyncio.Queue()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def pump(i, ids, params):
             try:
-                async for d in _run(ids, params, cache_salt):
+                async for d in _run(ids, params, route):
                     await queue.put((i, ids, params, d))
             except APIError as e:
                 await queue.put((i, ids, params, e))

@@ -31,7 +31,9 @@ from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from . import ipc
+from .devices import WorkerSpec, parse_devices
 from .metrics import Metrics
+from .router import NoWorker, Profile, Router, WorkerView
 
 log = logging.getLogger("hetserve.frontend")
 
@@ -74,7 +76,7 @@ class _Stream:
 @dataclass
 class WorkerHandle:
     name: str
-    spec: dict
+    spec: WorkerSpec
     proc: subprocess.Popen | None = None
     socket: zmq.asyncio.Socket | None = None
     ready: ipc.Ready | None = None
@@ -85,7 +87,12 @@ class WorkerHandle:
 
 class Frontend:
     def __init__(self, model: str, engine_kwargs: dict, devices: list[str] | None = None,
-                 dtype: str = "float32", max_queued_requests: int = 256, startup_timeout: float = 600.0):
+                 dtype: str = "float32", max_queued_requests: int = 256, startup_timeout: float = 600.0,
+                 route_policy: str | None = None, route_log: str | None = None,
+                 profiles: list[dict] | None = None, measure_profiles: bool = True):
+        """profiles: router.Profile JSON objects, matched to workers by their --inference-device
+        value; a worker without one measures a short profile at start-up (measure_profiles), or
+        else counts as fast as the others (the cost policy then balances work only)."""
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         with GGUFFile(self.model_path) as f:
@@ -93,6 +100,21 @@ class Frontend:
         self.engine_kwargs = engine_kwargs
         self.dtype = dtype
         self.devices = devices or ["cpu"]
+        self.specs = parse_devices(self.devices, engine_kwargs, dtype)
+        self.route_policy = route_policy or ("cost" if len(self.specs) > 1 else "least-loaded")
+        if self.route_policy.startswith("force:") and self.route_policy[6:] not in [w.name for w in self.specs]:
+            raise ValueError(f"--route-policy {self.route_policy}: no such worker (workers: "
+                             f"{', '.join(w.name for w in self.specs)})")
+        self.profiles = {}
+        for p in profiles or []:
+            prof = Profile.from_json(p)
+            if prof.device not in self.devices:
+                raise ValueError(f"a profile is for --inference-device {prof.device!r}, which is not served "
+                                 f"(devices: {', '.join(self.devices)})")
+            self.profiles[prof.device] = prof
+        self.measure_profiles = measure_profiles
+        self.router: Router | None = None
+        self._route_log = open(route_log, "a", buffering=1) if route_log else None
         self.max_queued_requests = max_queued_requests
         self.startup_timeout = startup_timeout
         self.metrics = Metrics()
@@ -111,14 +133,13 @@ class Frontend:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self._inbox.bind(f"ipc://{self._dir}/out")
-        for i, device in enumerate(self.devices):
-            name = f"{device.split(':')[0]}{i}" if len(self.devices) > 1 else device.split(",")[0]
-            spec = {"name": name, "model": self.model_path, "device": device.split(",")[0].split(":threads=")[0],
-                    "dtype": self.dtype, "engine": self.engine_kwargs, "to_worker": f"ipc://{self._dir}/in{i}",
-                    "from_worker": f"ipc://{self._dir}/out"}
-            if ":threads=" in device:
-                spec["threads"] = int(device.split(":threads=")[1].split(",")[0])
-            w = WorkerHandle(name, spec)
+        for i, ws in enumerate(self.specs):
+            spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
+                    "threads": ws.threads, "engine": ws.engine, "to_worker": f"ipc://{self._dir}/in{i}",
+                    "from_worker": f"ipc://{self._dir}/out",
+                    # one worker needs no profile: there is nothing to choose between
+                    "measure_profile": self.measure_profiles and len(self.specs) > 1 and ws.spec not in self.profiles}
+            w = WorkerHandle(ws.name, ws)
             w.socket = self._ctx.socket(zmq.PUSH)
             w.socket.setsockopt(zmq.LINGER, 0)
             w.socket.bind(spec["to_worker"])
@@ -133,11 +154,26 @@ class Frontend:
             if time.monotonic() > deadline:
                 raise RuntimeError("workers did not load the model in time")
             await asyncio.sleep(0.05)
+        self.router = Router(self.route_policy, [self._view(w) for w in self.workers])
         self._tasks.append(asyncio.create_task(self._monitor()))
+
+    def _view(self, w: WorkerHandle) -> WorkerView:
+        r = w.ready
+        profile = self.profiles.get(w.spec.spec)
+        if profile is None and r.profile:
+            profile = Profile(r.profile["prefill"], r.profile["decode"], w.spec.spec, self.model_name)
+        if profile is None:
+            profile = Profile.flat(1.0, 1.0, w.spec.spec)  # unknown speed: all workers count as equal
+        return WorkerView(w.name, profile, r.model_id, r.page_size, r.max_num_seqs, r.num_pages * r.page_size)
+
+    def worker_profiles(self) -> dict[str, dict]:
+        """The profile each worker is routed by (given, measured at start-up, or flat)."""
+        return {v.name: v.profile.to_json() for v in self.router.workers} if self.router else {}
 
     @property
     def healthy(self) -> bool:
-        return bool(self.workers) and all(w.alive for w in self.workers) and not self.draining
+        """Serving while any worker is: a dead worker only leaves the routing."""
+        return any(w.alive for w in self.workers) and not self.draining
 
     @property
     def max_model_len(self) -> int:
@@ -164,6 +200,8 @@ class Frontend:
             w.alive = False
         for t in self._tasks:
             t.cancel()
+        if self._route_log:
+            self._route_log.close()
         self._ctx.destroy(linger=0)
         self._pool.shutdown(wait=False)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -184,22 +222,32 @@ class Frontend:
         pool = self._largest_pool
         return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size)
 
-    def _pick_worker(self) -> WorkerHandle:
-        live = [w for w in self.workers if w.alive]
-        if not live:
-            raise ServiceUnavailable("no worker is available")
-        return min(live, key=lambda w: len(w.requests))
+    def _pick_worker(self, rid: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None,
+                     pin: str | None) -> WorkerHandle:
+        if pin is not None and pin not in [w.name for w in self.workers]:
+            raise ValueError(f"no worker named {pin!r} (workers: {', '.join(w.name for w in self.workers)})")
+        try:
+            d = self.router.route(rid, prompt_ids, max_tokens, cache_salt, pin)
+        except NoWorker as e:
+            raise ServiceUnavailable(str(e)) from None
+        if self._route_log:
+            self._route_log.write(json.dumps({
+                "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
+                "max_tokens": max_tokens, "policy": d.policy, "choice": d.worker,
+                "candidates": [c.as_dict() for c in d.candidates]}) + "\n")
+        return next(w for w in self.workers if w.name == d.worker)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
-        """Stream the deltas of one request. Cancelling the consumer aborts it in the worker."""
+                       request_id: str | None = None, worker: str | None = None) -> AsyncIterator[Delta]:
+        """Stream the deltas of one request. Cancelling the consumer aborts it in the worker.
+        worker: run it on this worker whatever the route policy (cache warming, diagnostics)."""
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"token ids must be in [0, {vocab - 1}]")
         self.check_capacity()
         params.max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
-        w = self._pick_worker()
+        w = self._pick_worker(rid, prompt_ids, params.max_tokens, cache_salt, worker)
         st = _Stream(w, RequestState(self.tokenizer, params), asyncio.Queue(), time.monotonic(), len(prompt_ids))
         self.streams[rid] = st
         w.requests.add(rid)
@@ -230,6 +278,7 @@ class Frontend:
         st = self.streams.pop(rid, None)
         if st is not None:
             st.worker.requests.discard(rid)
+            self.router.finished(st.worker.name, rid)
 
     def _fail(self, rid: str, message: str) -> None:
         st = self.streams.get(rid)
@@ -253,8 +302,10 @@ class Frontend:
             w = next((w for w in self.workers if w.name == msg.worker), None)
             if w is None:
                 continue
-            w.state = msg.state
-            self.metrics.worker_state(w.name, msg.state)
+            w.state = s = msg.state
+            self.metrics.worker_state(w.name, s)
+            if self.router is not None:
+                self.router.view(w.name).apply_state(s.queued_ids, s.running_prefill, s.published, s.evicted)
             for u in msg.updates:
                 self._apply(w, u)
 
@@ -277,6 +328,7 @@ class Frontend:
         if u.queue_time_s is not None:
             self.metrics.queue_time(w.name, u.queue_time_s)
         st.num_output_tokens += len(u.new_token_ids)
+        self.router.progress(w.name, u.request_id, st.num_output_tokens)
         text = st.state.add(u.new_token_ids, u.finished)
         finished, reason = u.finished, u.finish_reason
         if st.state.stopped_by is not None and not finished:
@@ -297,6 +349,7 @@ class Frontend:
             for w in self.workers:
                 if w.alive and w.proc.poll() is not None:
                     w.alive = False
+                    self.router.view(w.name).alive = False
                     log.error("worker %s died (exit code %s)", w.name, w.proc.returncode)
                     for rid in list(w.requests):
                         self._fail(rid, f"worker {w.name} died")

@@ -51,6 +51,9 @@ class Ready:
     max_model_len: int
     num_pages: int
     page_size: int
+    model_id: str = ""  # prefix-cache root key: the router hashes prompts with it
+    max_num_seqs: int = 8
+    profile: dict | None = None  # measured at start-up (router.Profile.to_json), unless given
 
 
 @dataclass
@@ -73,6 +76,23 @@ class WorkerState:
     pages_total: int
     preemptions: int
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    queued_ids: list[str] = field(default_factory=list)  # waiting in the scheduler (or held)
+    running_prefill: dict[str, int] = field(default_factory=dict)  # running id -> prompt tokens left
+    published: list[bytes] = field(default_factory=list)  # page hashes cached since the last state
+    evicted: list[bytes] = field(default_factory=list)  # page hashes dropped since the last state
+
+    def __post_init__(self) -> None:
+        # The router trusts these, so they are checked here rather than deep in its code.
+        if not isinstance(self.queued_ids, list) or not all(isinstance(x, str) for x in self.queued_ids):
+            raise TypeError("queued_ids must be a list of strings")
+        rp = self.running_prefill
+        if not isinstance(rp, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
+                                               for k, v in rp.items()):
+            raise TypeError("running_prefill must map request ids to token counts")
+        for name in ("published", "evicted"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(h, bytes) and len(h) == 32 for h in v):
+                raise TypeError(f"{name} must be a list of 32-byte page hashes")
 
 
 @dataclass

@@ -39,6 +39,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    worker: str | None = None  # hetserve: run on this worker whatever the route policy (cache warming)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
         """Raises ValueError (-> 400) for out-of-range values, NaN and infinities."""

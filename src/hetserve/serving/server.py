@@ -7,8 +7,10 @@ stop the workers and exit 0. A second signal exits at once.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -58,13 +60,24 @@ def run(args) -> int:
     devices = kw.pop("device") or ["cpu"]
     dtype = kw.pop("dtype")
     api_key = args.api_key or os.environ.get("HETSERVE_API_KEY") or None
-    frontend = Frontend(args.model, kw, devices=devices, dtype=dtype, max_queued_requests=args.max_queued_requests)
+    profiles = []
+    for path in args.profile:
+        with open(path) as f:
+            profiles.append(json.load(f))
+    frontend = Frontend(args.model, kw, devices=devices, dtype=dtype, max_queued_requests=args.max_queued_requests,
+                        route_policy=args.route_policy, route_log=args.route_log, profiles=profiles,
+                        measure_profiles=args.startup_profile)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await frontend.start()
         print(f"hetserve: serving {frontend.model_name} on http://{args.host}:{args.port} "
-              f"({', '.join(devices)})", file=sys.stderr, flush=True)
+              f"({', '.join(devices)}; route policy {frontend.route_policy})", file=sys.stderr, flush=True)
+        if len(frontend.workers) > 1:
+            for name, prof in frontend.worker_profiles().items():
+                rates = lambda pts: ", ".join(f"{n}: {r:.1f}" for n, r in pts)  # noqa: E731
+                print(f"hetserve: worker {name} ({prof['device']}): prefill tok/s {{{rates(prof['prefill'])}}}, "
+                      f"decode tok/s by batch {{{rates(prof['decode'])}}}", file=sys.stderr, flush=True)
         yield
         await frontend.shutdown()
 
@@ -87,5 +100,14 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    r = p.add_argument_group("routing (several --inference-device values)")
+    r.add_argument("--route-policy", default=None,
+                   help="cost (default with several workers), round-robin, least-loaded or force:<worker> "
+                        "(workers are named cpu0, cuda1, ... by kind and position)")
+    r.add_argument("--route-log", default=None, help="append one JSON line per routed request to this file")
+    r.add_argument("--profile", action="append", default=[],
+                   help="a worker profile from `hetserve profile` (repeatable; matched by --inference-device)")
+    r.add_argument("--startup-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers without --profile measure a short profile at start-up (a few seconds)")
     add_engine_flags(p, multi_device=True)
     p.set_defaults(func=run)

@@ -35,9 +35,14 @@ def _update(req, out, first: bool):
 
 def _state(engine) -> ipc.WorkerState:
     s = engine.scheduler
+    published, evicted = engine.prefix_cache.drain_changes() if engine.prefix_cache else ([], [])
     return ipc.WorkerState(running=len(s.running), waiting=len(s.waiting) + len(engine.held),
                            pages_used=engine.pool.num_used, pages_total=engine.pool.num_blocks,
-                           preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats())
+                           preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats(),
+                           queued_ids=[r.request_id for r in s.waiting] + list(engine.held),
+                           running_prefill={r.request_id: max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                                            for r in s.running},
+                           published=published, evicted=evicted)
 
 
 def serve(spec: dict) -> int:
@@ -61,8 +66,17 @@ def serve(spec: dict) -> int:
     loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
                          **spec["engine"])
     engine = loaded.engine
+    profile = None
+    if spec.get("measure_profile"):
+        from ..core import profiling
+
+        profile = profiling.measure(engine, **profiling.SHORT)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.track_changes = True  # from here on the router hears of every page
+    model_id = engine.prefix_cache.model_id if engine.prefix_cache else ""
     outbox.send(ipc.encode(ipc.Ready(name, os.getpid(), loaded.model.config.vocab_size, engine.max_model_len,
-                                     engine.pool.num_blocks, engine.pool.page_size)))
+                                     engine.pool.num_blocks, engine.pool.page_size, model_id,
+                                     engine.config.max_num_seqs, profile)))
     live: dict[str, Request] = {}
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

@@ -1,0 +1,251 @@
+"""Routing policies and the cost model over worker profiles. Pure code: no sockets, no clocks.
+
+The frontend keeps one WorkerView per worker (its speed profile, the requests placed on it,
+the page hashes its prefix cache has published) and asks the Router where each new request
+goes. The cost policy estimates, for every live worker, how long that worker needs to finish
+everything it has plus the incoming request:
+
+    score = pending prefill tokens / prefill rate + pending decode budget / decode rate
+
+summed over the worker's active and queued requests and the incoming one. The incoming
+request's prefill is discounted by the prefix that worker has cached; queued requests keep
+the discount estimated when they were routed; a request's decode budget is its unused
+max_tokens. The lowest score wins (ties: the first worker).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from ..kv.prefix_cache import chain_hashes, root_hash
+
+POLICIES = ("cost", "round-robin", "least-loaded", "force:<worker>")
+
+
+class NoWorker(RuntimeError):
+    """No live worker can take the request."""
+
+
+# -- profiles ---------------------------------------------------------------------------------------
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points, flat beyond the ends."""
+    xs = [p[0] for p in points]
+    i = bisect_left(xs, x)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Profile:
+    """A worker's measured speed: prefill tok/s by prompt length, decode tok/s (all rows of a
+    step together) by batch size. Written by `hetserve profile`, read by `serve --profile`."""
+
+    prefill: list[tuple[int, float]]
+    decode: list[tuple[int, float]]
+    device: str = ""
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            pts = sorted((int(x), float(y)) for x, y in getattr(self, name))
+            if not pts or any(y <= 0 for _, y in pts) or len({x for x, _ in pts}) != len(pts):
+                raise ValueError(f"profile {name}: need distinct sizes with positive rates, got {pts}")
+            setattr(self, name, pts)
+
+    @classmethod
+    def flat(cls, prefill: float, decode: float, device: str = "") -> "Profile":
+        return cls([(1, prefill)], [(1, decode)], device)
+
+    def prefill_rate(self, tokens: int) -> float:
+        return _interp(self.prefill, max(tokens, 1))
+
+    def decode_rate(self, batch: int) -> float:
+        return _interp(self.decode, max(batch, 1))
+
+    def to_json(self) -> dict:
+        return {"format": "hetserve-profile-v1", "device": self.device, "model": self.model,
+                "prefill": [list(p) for p in self.prefill], "decode": [list(p) for p in self.decode]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Profile":
+        if not isinstance(data, dict) or data.get("format") != "hetserve-profile-v1":
+            raise ValueError("not a hetserve profile (format hetserve-profile-v1)")
+        return cls(data["prefill"], data["decode"], data.get("device", ""), data.get("model", ""))
+
+
+# -- what the router knows about one worker -----------------------------------------------------------
+@dataclass
+class Placed:
+    """A request the router placed on a worker."""
+
+    request_id: str
+    prefill_tokens: int  # uncached prompt tokens left: the routing-time estimate until the worker runs it
+    max_tokens: int
+    generated: int = 0
+    active: bool = False  # running in the worker's scheduler (else queued, or not yet seen there)
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(self.max_tokens - self.generated, 0)
+
+
+@dataclass
+class Candidate:
+    """One worker's estimate for an incoming request (a line of the route log)."""
+
+    worker: str
+    active: int
+    queued: int
+    cached_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def score(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def as_dict(self) -> dict:
+        return {"worker": self.worker, "active": self.active, "queued": self.queued,
+                "cached_tokens": self.cached_tokens, "prefill_tokens": self.prefill_tokens,
+                "decode_tokens": self.decode_tokens, "prefill_s": round(self.prefill_s, 6),
+                "decode_s": round(self.decode_s, 6), "score": round(self.score, 6)}
+
+
+@dataclass(eq=False)  # compared by identity
+class WorkerView:
+    name: str
+    profile: Profile
+    model_id: str = ""  # prefix-cache root: the same in every worker of one model file
+    page_size: int = 16
+    max_num_seqs: int = 8
+    capacity_tokens: int | None = None  # KV pool size; a request that cannot fit is not offered here
+    alive: bool = True
+    cached: set[bytes] = field(default_factory=set)  # page hashes the worker has published
+    requests: dict[str, Placed] = field(default_factory=dict)
+
+    def cached_tokens(self, prompt_ids: list[int], cache_salt: str | None = None,
+                      hashes: list[bytes] | None = None) -> int:
+        """Leading full pages of the prompt that this worker has cached, as the worker's own
+        lookup would restore them (at most len(prompt) - 1 tokens)."""
+        limit = (len(prompt_ids) - 1) // self.page_size
+        if hashes is None:
+            hashes = chain_hashes(root_hash(self.model_id, cache_salt), prompt_ids[:limit * self.page_size],
+                                  self.page_size)
+        n = 0
+        for h in hashes[:limit]:
+            if h not in self.cached:
+                break
+            n += 1
+        return n * self.page_size
+
+    def estimate(self, incoming: Placed | None = None, cached_tokens: int = 0) -> Candidate:
+        reqs = list(self.requests.values()) + ([incoming] if incoming is not None else [])
+        active = sum(1 for r in self.requests.values() if r.active)
+        prefill = sum(r.prefill_tokens for r in reqs)
+        decode = sum(r.decode_tokens for r in reqs)
+        batch = min(len(reqs), self.max_num_seqs)
+        return Candidate(self.name, active, len(self.requests) - active, cached_tokens, prefill, decode,
+                         prefill / self.profile.prefill_rate(prefill) if prefill else 0.0,
+                         decode / self.profile.decode_rate(batch) if decode else 0.0)
+
+    # -- updates from the worker's per-step state ----------------------------------------------
+    def apply_state(self, queued_ids: list[str], running: dict[str, int], published: list[bytes],
+                    evicted: list[bytes]) -> None:
+        """running: every running request -> prompt tokens it still has to compute. A request
+        listed neither as queued nor as running has not reached the worker yet (it was routed
+        after the worker sent this state): it keeps its routing-time estimate."""
+        self.cached.difference_update(evicted)
+        self.cached.update(published)
+        queued = set(queued_ids)
+        for rid, r in self.requests.items():
+            if rid in running:
+                r.active, r.prefill_tokens = True, running[rid]
+            elif rid in queued:
+                r.active = False  # preempted requests go back to the queue
+
+    def progress(self, request_id: str, generated: int) -> None:
+        r = self.requests.get(request_id)
+        if r is not None:
+            r.generated = generated
+            if generated:  # a first token means the prompt is computed
+                r.active, r.prefill_tokens = True, 0
+
+
+@dataclass
+class Decision:
+    worker: str
+    policy: str
+    candidates: list[Candidate]
+
+
+class Router:
+    def __init__(self, policy: str, workers: list[WorkerView]):
+        if not workers:
+            raise ValueError("the router needs at least one worker")
+        names = [w.name for w in workers]
+        if policy.startswith("force:"):
+            if policy[6:] not in names:
+                raise ValueError(f"route policy {policy!r}: no worker named {policy[6:]!r} (workers: "
+                                 f"{', '.join(names)})")
+        elif policy not in POLICIES:
+            raise ValueError(f"unknown route policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.workers = workers
+        self._last = -1  # index in self.workers of the last round-robin choice
+
+    def view(self, name: str) -> WorkerView:
+        return next(w for w in self.workers if w.name == name)
+
+    def route(self, request_id: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None = None,
+              pin: str | None = None) -> Decision:
+        """Pick a worker for the request and record it there. pin: a worker name that overrides
+        the policy for this one request (cache warming, diagnostics)."""
+        fits = [w for w in self.workers if w.alive and
+                (w.capacity_tokens is None or len(prompt_ids) + max_tokens <= w.capacity_tokens)]
+        if not fits:
+            raise NoWorker("no live worker can hold this request")
+        hashes: dict[tuple, list[bytes]] = {}  # one hash chain per (model, page size)
+        cands, placed = [], []
+        for w in fits:
+            key = (w.model_id, w.page_size)
+            if key not in hashes:
+                full = (len(prompt_ids) - 1) // w.page_size * w.page_size
+                hashes[key] = chain_hashes(root_hash(w.model_id, cache_salt), prompt_ids[:full], w.page_size)
+            cached = w.cached_tokens(prompt_ids, cache_salt, hashes[key])
+            p = Placed(request_id, len(prompt_ids) - cached, max_tokens)
+            cands.append(w.estimate(p, cached))
+            placed.append(p)
+        policy = f"force:{pin}" if pin else self.policy
+        i = self._choose(policy, fits, cands)
+        fits[i].requests[request_id] = placed[i]
+        return Decision(fits[i].name, policy, cands)
+
+    def _choose(self, policy: str, fits: list[WorkerView], cands: list[Candidate]) -> int:
+        if policy.startswith("force:"):
+            name = policy[6:]
+            for i, w in enumerate(fits):
+                if w.name == name:
+                    return i
+            raise NoWorker(f"worker {name!r} is not available")
+        if policy == "round-robin":  # the next live worker after the last one chosen
+            n = len(self.workers)
+            order = [self.workers[(self._last + k) % n] for k in range(1, n + 1)]
+            w = next(w for w in order if w in fits)
+            self._last = self.workers.index(w)
+            return fits.index(w)
+        if policy == "least-loaded":
+            return min(range(len(fits)), key=lambda i: len(fits[i].requests))
+        return min(range(len(fits)), key=lambda i: cands[i].score)
+
+    def progress(self, worker: str, request_id: str, generated: int) -> None:
+        self.view(worker).progress(request_id, generated)
+
+    def finished(self, worker: str, request_id: str) -> None:
+        self.view(worker).requests.pop(request_id, None)

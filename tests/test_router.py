@@ -1,0 +1,159 @@
+"""The router's cost model and policies, as pure code (no workers): exact numbers on the issue's example."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from hetserve.kv.prefix_cache import chain_hashes, root_hash
+from hetserve.serving import ipc
+from hetserve.serving.devices import parse_devices
+from hetserve.serving.router import NoWorker, Profile, Router, WorkerView
+
+MODEL = "qwen2:test:123"
+PREFIX = [(5 * i) % 300 + 1 for i in range(496)]  # 31 full pages of 16
+
+
+def prompt(i: int) -> list[int]:
+    return PREFIX + [1000 + 20 * i + j for j in range(20)]  # 516 tokens, 496 shared
+
+
+def seeded(name: str, prefill: float, decode: float, **kw) -> WorkerView:
+    v = WorkerView(name, Profile.flat(prefill, decode), MODEL, 16, **kw)
+    v.cached.update(chain_hashes(root_hash(MODEL), PREFIX, 16))
+    return v
+
+
+def test_worked_example_picks_the_gpu_with_exact_scores():
+    cpu, gpu = seeded("cpu0", 73, 45), seeded("cuda1", 2551, 293)
+    router = Router("cost", [cpu, gpu])
+    # The GPU's backlog: 4 running requests with 496 tokens of budget left, 2 queued ones.
+    for i in range(6):
+        router.route(f"r{i}", prompt(i), 128, pin="cuda1")
+    gpu.apply_state(queued_ids=["r4", "r5"], running={f"r{i}": 0 for i in range(4)}, published=[], evicted=[])
+    for i, generated in enumerate([0, 0, 8, 8]):  # remaining budgets 128 + 128 + 120 + 120 = 496
+        router.progress("cuda1", f"r{i}", generated)
+
+    d = router.route("new", prompt(9), 128)
+    c_cpu, c_gpu = d.candidates
+    assert (c_cpu.active, c_cpu.queued, c_cpu.cached_tokens) == (0, 0, 496)
+    assert (c_cpu.prefill_tokens, c_cpu.decode_tokens) == (20, 128)
+    assert c_cpu.score == 20 / 73 + 128 / 45
+    assert (c_gpu.active, c_gpu.queued, c_gpu.cached_tokens) == (4, 2, 496)
+    assert (c_gpu.prefill_tokens, c_gpu.decode_tokens) == (60, 880)
+    assert c_gpu.score == 60 / 2551 + 880 / 293
+    assert d.worker == "cuda1" and set(gpu.requests) == {f"r{i}" for i in range(6)} | {"new"}
+    assert not cpu.requests
+
+
+def test_cost_prefers_the_worker_with_the_cached_prefix():
+    cold = WorkerView("cpu0", Profile.flat(100, 10), MODEL, 16)
+    warm = seeded("cpu1", 100, 10)
+    d = Router("cost", [cold, warm]).route("a", prompt(0), 16)
+    assert d.worker == "cpu1"
+    assert [c.cached_tokens for c in d.candidates] == [0, 496]
+
+
+def test_cached_prefix_follows_publication_eviction_and_salt():
+    v = seeded("w", 1, 1)
+    p = prompt(0)
+    assert v.cached_tokens(p) == 496
+    assert v.cached_tokens(p, cache_salt="tenant") == 0  # another root: nothing shared
+    assert v.cached_tokens(PREFIX) == 480  # the last token of a prompt is always computed
+    evicted = chain_hashes(root_hash(MODEL), PREFIX, 16)[10]
+    v.apply_state([], {}, published=[], evicted=[evicted])
+    assert v.cached_tokens(p) == 160  # a hole ends the usable run
+    v.apply_state([], {}, published=[evicted], evicted=[])
+    assert v.cached_tokens(p) == 496
+
+
+def test_queued_requests_keep_their_routing_estimate_until_they_run():
+    v = WorkerView("w", Profile.flat(10, 10), MODEL, 16)
+    r = Router("cost", [v])
+    r.route("a", list(range(1, 101)), 50)
+    v.apply_state(queued_ids=[], running={}, published=[], evicted=[])  # sent before "a" arrived
+    assert v.requests["a"].prefill_tokens == 100 and not v.requests["a"].active
+    v.apply_state(queued_ids=[], running={"a": 36}, published=[], evicted=[])  # partly prefilled
+    assert v.requests["a"].prefill_tokens == 36 and v.requests["a"].active
+    r.progress("w", "a", 10)
+    assert v.estimate().prefill_tokens == 0 and v.estimate().decode_tokens == 40
+    v.apply_state(queued_ids=["a"], running={}, published=[], evicted=[])  # preempted
+    assert not v.requests["a"].active
+    r.finished("w", "a")
+    assert not v.requests
+
+
+def test_decode_rate_follows_the_batch_size():
+    prof = Profile([(64, 100), (512, 200)], [(1, 10), (4, 30)])
+    assert prof.prefill_rate(288) == 150 and prof.prefill_rate(10) == 100 and prof.prefill_rate(4096) == 200
+    assert prof.decode_rate(2) == pytest.approx(16.666666) and prof.decode_rate(8) == 30
+    v = WorkerView("w", prof, MODEL, 16, max_num_seqs=4)
+    r = Router("cost", [v])
+    for i in range(6):
+        r.route(f"r{i}", [1] * 10, 30)
+    # 6 requests but at most 4 run together: 180 tokens at the batch-4 rate
+    assert v.estimate().decode_s == 180 / 30
+    assert Profile.from_json(prof.to_json()) == prof
+    with pytest.raises(ValueError):
+        Profile([(64, 0.0)], [(1, 1.0)])
+    with pytest.raises(ValueError):
+        Profile.from_json({"prefill": [], "decode": []})
+
+
+def test_round_robin_least_loaded_force_and_dead_workers():
+    views = [WorkerView(n, Profile.flat(1, 1), MODEL) for n in ("cpu0", "cpu1", "cpu2")]
+    rr = Router("round-robin", views)
+    assert [rr.route(f"a{i}", [1, 2], 4).worker for i in range(4)] == ["cpu0", "cpu1", "cpu2", "cpu0"]
+    views[1].alive = False
+    assert [rr.route(f"b{i}", [1, 2], 4).worker for i in range(2)] == ["cpu2", "cpu0"]
+    ll = Router("least-loaded", views)  # cpu0 has 3, cpu2 has 2, cpu1 is dead
+    assert ll.route("c", [1, 2], 4).worker == "cpu2"
+    assert ll.route("d", [1, 2], 4).worker == "cpu0"  # 3 each: the first wins
+    forced = Router("force:cpu1", views)
+    with pytest.raises(NoWorker):
+        forced.route("e", [1, 2], 4)
+    views[1].alive = True
+    assert forced.route("e", [1, 2], 4).worker == "cpu1"
+    with pytest.raises(ValueError, match="no worker named"):
+        Router("force:gpu9", views)
+    with pytest.raises(ValueError, match="unknown route policy"):
+        Router("fastest", views)
+
+
+def test_a_request_only_goes_where_it_fits():
+    small = WorkerView("small", Profile.flat(1000, 1000), MODEL, capacity_tokens=64)
+    big = WorkerView("big", Profile.flat(1, 1), MODEL, capacity_tokens=4096)
+    r = Router("cost", [small, big])
+    assert r.route("a", [1] * 10, 10).worker == "small"
+    assert r.route("b", [1] * 100, 10).worker == "big"
+    big.alive = False
+    with pytest.raises(NoWorker):
+        r.route("c", [1] * 100, 10)
+
+
+def test_device_specs_and_overrides():
+    specs = parse_devices(["cpu:threads=1,dtype=float32,max_num_seqs=4", "gpu", "cuda", "gpu", "cpu"],
+                          {"max_num_seqs": 8, "deterministic": False}, "bfloat16")
+    assert [s.name for s in specs] == ["cpu0", "cuda1", "cuda2", "cuda3", "cpu4"]
+    assert [s.device for s in specs] == ["cpu", "cuda:1", "cuda:0", "cuda:2", "cpu"]
+    assert (specs[0].threads, specs[0].dtype, specs[0].engine["max_num_seqs"]) == (1, "float32", 4)
+    assert (specs[4].threads, specs[4].dtype, specs[4].engine["max_num_seqs"]) == (None, "bfloat16", 8)
+    one = parse_devices(["cpu:threads=2,deterministic=true"], {}, "float32")[0]
+    assert (one.name, one.threads, one.engine) == ("cpu", 2, {"deterministic": True})
+    for bad in ("tpu", "cpu,colour=red", "cpu,max_num_seqs=0", "gpu:1", "cpu,threads=0", "cpu,max_num_seqs=x"):
+        with pytest.raises(ValueError):
+            parse_devices([bad], {}, "float32")
+
+
+def test_worker_state_messages_are_checked():
+    h = bytes(range(32))
+    st = ipc.WorkerState(1, 0, 2, 8, 0, queued_ids=["a"], running_prefill={"b": 3}, published=[h], evicted=[])
+    msg = ipc.decode(ipc.encode(ipc.Outputs("w", [], st)))
+    assert msg.state == st
+    for bad in ({"published": [b"short"]}, {"running_prefill": {"b": -1}}, {"queued_ids": [1]},
+                {"evicted": "x"}):
+        raw = ipc.encode(ipc.Outputs("w", [], ipc.WorkerState(1, 0, 2, 8, 0)))
+        data = msgpack.unpackb(raw)
+        data["state"].update(bad)
+        with pytest.raises(ipc.IPCError):
+            ipc.decode(msgpack.packb(data, use_bin_type=True))
