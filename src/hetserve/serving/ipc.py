@@ -73,6 +73,7 @@ class WorkerState:
     pages_total: int
     preemptions: int
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    spec_decode: dict[str, float] = field(default_factory=dict)  # flat: proposed, accepted, ..., k_<K> rounds
 
 
 @dataclass

@@ -37,7 +37,14 @@ def _state(engine) -> ipc.WorkerState:
     s = engine.scheduler
     return ipc.WorkerState(running=len(s.running), waiting=len(s.waiting) + len(engine.held),
                            pages_used=engine.pool.num_used, pages_total=engine.pool.num_blocks,
-                           preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats())
+                           preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats(),
+                           spec_decode=_flat_spec(engine.spec_stats()))
+
+
+def _flat_spec(stats: dict) -> dict[str, float]:
+    """Speculation counters with string keys (msgpack maps here have string keys): k_<K> per draft length."""
+    hist = stats.pop("k_histogram", {})
+    return {**stats, **{f"k_{k}": n for k, n in hist.items()}}
 
 
 def serve(spec: dict) -> int:

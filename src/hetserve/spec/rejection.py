@@ -69,7 +69,7 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_d
     Rows whose generator is None draw together from default_generator (None: torch's global RNG)."""
     b, k = drafts.shape
     acc = acceptance_probs(p[:, :k], q, drafts, tv_budget.view(b, 1, 1)) if k else p.new_zeros(b, 0)
-    u = _uniform(b, k, generators, default_generator, p.device)
+    u = _uniform(b, k, num_drafts, generators, default_generator, p.device)
     ok = (u < acc) & (torch.arange(k, device=p.device) < torch.tensor(num_drafts, device=p.device)[:, None])
     num_accepted = ok.to(torch.int64).cumprod(-1).sum(-1)  # leading accepts
     rows = torch.arange(b, device=p.device)
@@ -85,12 +85,14 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_d
     return Verified(accepted, [d[i][:a] + [last[i]] for i, a in enumerate(accepted)])
 
 
-def _uniform(b: int, k: int, generators, default_generator, device) -> torch.Tensor:
+def _uniform(b: int, k: int, num_drafts: list[int], generators, default_generator, device) -> torch.Tensor:
+    """A seeded row draws exactly its own drafts' uniforms, so its stream does not depend on the
+    longest draft in the batch."""
     u = torch.rand(b, k, generator=default_generator, device=device) if any(g is None for g in generators) \
-        else torch.empty(b, k, device=device)
+        else torch.ones(b, k, device=device)
     for i, g in enumerate(generators):
         if g is not None:
-            u[i] = torch.rand(k, generator=g, device=device)
+            u[i, :num_drafts[i]] = torch.rand(num_drafts[i], generator=g, device=device)
     return u
 
 
