@@ -176,7 +176,7 @@ def test_exact_enumeration_over_all_draft_pairs_matches_sampler_inputs():
     verify_sampled's acceptance for a fixed draft pair follows it (all 16 pairs, D = 0.5)."""
     p1, q1, p2, q2 = (t.float() for t in _dists(9))
     d = torch.tensor(0.5)
-    n = 40_000
+    n = 20_000
     for x1, x2 in itertools.product(range(V), repeat=2):
         if q1[x1] == 0 or q2[x1, x2] == 0:
             continue

@@ -98,16 +98,18 @@ class LinearCost:
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
+        self.count = 0
         self.w = self.n = self.t = self.nn = self.nt = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
+        self.count += 1
         d = self.decay
         self.w, self.n, self.t = d * self.w + 1, d * self.n + tokens, d * self.t + seconds
         self.nn, self.nt = d * self.nn + tokens * tokens, d * self.nt + tokens * seconds
 
     @property
     def known(self) -> bool:
-        return self.w >= 2
+        return self.count >= 2
 
     def predict(self, tokens: float) -> float:
         mn, mt = self.n / self.w, self.t / self.w
