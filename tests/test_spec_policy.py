@@ -78,15 +78,34 @@ def test_cost_policy_maximises_expected_tokens_per_second(alpha, draft_s, expect
     assert rate(k) == max(rate(j) for j in range(0, 9))
 
 
-def test_cost_policy_learns_acceptance_and_probes_after_stopping():
-    p = cost_policy(1.0, 0.01, 0.3)
-    st = p.new_state()
+def stop_drafting(p, st):
     for _ in range(20):
         k = p.draft_len(st)
         if k == 0:
             break
         p.update(st, k, 0)  # every draft rejected
     assert p.draft_len(st) == 0
+
+
+def test_cost_policy_backs_off_failed_probes():
+    p = cost_policy(1.0, 0.01, 0.3)
+    st = p.new_state()
+    stop_drafting(p, st)
+    waits = []
+    for _ in range(3):
+        wait = 0
+        while (k := p.draft_len(st)) == 0:
+            p.update(st, 0, 0)
+            wait += 1
+        waits.append(wait)
+        p.update(st, k, 0)  # the probe fails
+    assert waits == [16, 32, 64]
+
+
+def test_cost_policy_learns_acceptance_and_probes_after_stopping():
+    p = cost_policy(1.0, 0.01, 0.3)
+    st = p.new_state()
+    stop_drafting(p, st)
     ks = []
     for _ in range(CostPolicy.probe_every + 1):
         k = p.draft_len(st)

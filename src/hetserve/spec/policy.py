@@ -29,6 +29,7 @@ class SpecState:
     successes: float = 0.0
     trials: float = 0.0
     rounds_without_draft: int = 0
+    probe_interval: int = 16  # cost policy: rounds without drafts before the next probe
 
     def record(self, k: int, accepted: int) -> None:
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
@@ -130,9 +131,12 @@ class CostPolicy(DraftPolicy):
     prior), draft(n) and target(n) linear fits of measured forwards of n tokens (target: steps
     without prefill only). It picks argmax E(K) / T(K) over 0..k_max. Before the target's plain
     decode cost is measured it does not draft; before the draft's cost is known it drafts K. A
-    request that stops drafting probes again after `probe_every` rounds, so alpha can recover."""
+    request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
+    probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
+    also pays for the draft catching up over the tokens it skipped."""
 
     probe_every = 16
+    max_probe_interval = 256
     decay = 0.9
     prior_weight = 2.0
 
@@ -165,7 +169,7 @@ class CostPolicy(DraftPolicy):
         if not self.draft.known:
             return self.cfg.k
         k = self.best_k(self.alpha(st))
-        if k == 0 and st.rounds_without_draft >= self.probe_every:
+        if k == 0 and st.rounds_without_draft >= st.probe_interval:
             return self.best_k(self.alpha(st), lo=1)
         return k
 
@@ -174,6 +178,9 @@ class CostPolicy(DraftPolicy):
         if not proposed:
             st.rounds_without_draft += 1
             return
+        if st.rounds_without_draft >= st.probe_interval:  # this round was a probe
+            st.probe_interval = self.probe_every if accepted else min(2 * st.probe_interval,
+                                                                      self.max_probe_interval)
         st.rounds_without_draft = 0
         tried = accepted + (accepted < proposed)
         st.successes = self.decay * st.successes + accepted
