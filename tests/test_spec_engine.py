@@ -214,3 +214,20 @@ def test_contiguous_layout_and_a_tiny_token_budget(tiny_qwen2, drafts, target_on
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
     assert llm.engine.spec_stats()["rounds"] > 0
     assert_pages_back(llm)
+
+
+def test_engine_stats_reach_worker_state_and_prometheus(tiny_qwen2, drafts):
+    from hetserve.serving import ipc
+    from hetserve.serving.metrics import Metrics
+    from hetserve.serving.worker import _state
+
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    stats = llm.engine.spec_stats()
+    msg = ipc.decode(ipc.encode(ipc.Outputs("cpu", [], _state(llm.engine))))  # string keys on the wire
+    spec = msg.state.spec_decode
+    assert spec["proposed"] == stats["proposed"] and spec["k_3"] == stats["k_histogram"][3]
+    m = Metrics()
+    m.worker_state("cpu", msg.state)
+    text = m.render().decode()
+    assert f'hetserve:spec_decode{{counter="accepted",worker="cpu"}} {float(stats["accepted"])}' in text
