@@ -54,3 +54,31 @@ def test_malformed_gguf_gives_loader_error(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
     r = hetserve("generate", "--model", str(bad), "--prompt", "hi")
     assert r.returncode != 0 and str(bad) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_speculative_flags(tiny_qwen2, tiny_llama):
+    base = ["generate", "--model", tiny_qwen2, "--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature", "0",
+            "--ignore-eos", "--json", "--deterministic"]
+    plain = json.loads(hetserve(*base).stdout)
+    r = hetserve(*base, "--speculative-model", tiny_qwen2, "--num-speculative-tokens", "3", "--spec-policy",
+                 "accepted-length", "--spec-tv-budget", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == plain["token_ids"]
+    r = hetserve(*base, "--speculative-model", tiny_llama)
+    assert r.returncode != 0 and "share a tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
+    from hetserve.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "speculative", "--model", tiny_qwen2, "--draft", tiny_qwen2, "--configs", "fixed-4",
+                 "--prompts", "code", "--temperatures", "0,0.7", "--seeds", "1", "--output-tokens", "6",
+                 "--deterministic", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["config"], r["temperature"]) for r in rows] == [
+        ("target-only", 0.0), ("target-only", 0.7), ("fixed-4", 0.0), ("fixed-4", 0.7)]
+    greedy = {r["config"]: r for r in rows if r["temperature"] == 0.0}
+    assert greedy["fixed-4"]["greedy_tokens"] == greedy["target-only"]["greedy_tokens"]
+    assert greedy["fixed-4"]["acceptance_rate"] == 1.0  # the draft is the target itself
+    assert "ratio" in capsys.readouterr().out

@@ -79,8 +79,11 @@ def write_tiny_gguf(
     quantized: bool = True,
     seed: int = 0,
     scale: float = 0.2,
+    noise: float = 0.0,
 ) -> str:
-    """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16."""
+    """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16.
+    noise > 0 adds N(0, noise * scale) to every matrix of the seed's model: a related model (a
+    speculative draft that agrees with the noise-free one on some tokens)."""
     pre = "qwen2" if arch == "qwen2" else "llama-bpe"
     tokens, merges = _bpe_vocab(pre)
     tokens = list(tokens) + SPECIALS
@@ -118,7 +121,11 @@ def write_tiny_gguf(
     def mat(rows, cols, s=scale):
         return (rng.standard_normal((rows, cols)) * s).astype(np.float32)
 
+    noise_rng = np.random.default_rng(seed + 1000)
+
     def add(name, arr, fmt="f32"):
+        if noise and arr.ndim == 2:
+            arr = arr + (noise_rng.standard_normal(arr.shape) * noise * np.abs(arr).mean()).astype(np.float32)
         if fmt == "q8_0":
             q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)

@@ -32,6 +32,15 @@ _ENGINE_HELP = {
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
     "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int4 on AVX2 CPUs, fp32 elsewhere)",
     "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones fp32 GEMM",
+    "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
+    "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
+    "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",
+    "spec_tv_budget": "mentored decoding: total-variation budget D per token (0 = lossless, 1 = accept every draft)",
+    "spec_k_min": "adaptive policies: smallest K",
+    "spec_k_max": "adaptive policies: largest K",
+    "spec_acceptance_low": "acceptance-rate policy: K - 1 when a round's acceptance is below this",
+    "spec_acceptance_high": "acceptance-rate policy: K + 1 when a round's acceptance is above this",
+    "spec_ema_alpha": "accepted-length policy: weight of the newest round in the smoothed accepted length",
 }
 
 
@@ -41,7 +50,7 @@ def add_engine_flags(p: argparse.ArgumentParser, multi_device: bool = False) -> 
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = int if f.type in ("int", "int | None") else str
+        kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
         if f.type == "bool":
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             g.add_argument(flag, dest=f.name, action=action, default=f.default, help=_ENGINE_HELP[f.name])

@@ -188,4 +188,6 @@ class LLM:
             "num_output_tokens": req.num_output_tokens,
             "num_preemptions": m.num_preemptions,
         }
+        if req.spec is not None:  # proposed, accepted, acceptance_rate, mean_accepted_length, rounds, k_histogram
+            out.metrics["spec_decode"] = req.spec.as_dict()
         return True

@@ -39,6 +39,15 @@ class EngineConfig:
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
     weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int4 on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
+    speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
+    num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
+    spec_policy: str = "fixed"  # or acceptance-rate, accepted-length, cost
+    spec_tv_budget: float = 0.0  # mentored decoding: total-variation budget D (0 = lossless, 1 = accept all)
+    spec_k_min: int = 1  # adaptive policies keep K within [spec_k_min, spec_k_max]
+    spec_k_max: int = 8
+    spec_acceptance_low: float = 0.4  # acceptance-rate policy: K - 1 below, K + 1 above spec_acceptance_high
+    spec_acceptance_high: float = 0.8
+    spec_ema_alpha: float = 0.5  # accepted-length policy: weight of the newest round
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "page_size"):
@@ -60,6 +69,26 @@ class EngineConfig:
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
             raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        from ..spec.policy import POLICIES
+
+        if self.spec_policy not in POLICIES:
+            raise ValueError(f"unknown speculative policy {self.spec_policy!r} ({', '.join(POLICIES)})")
+        for name in ("num_speculative_tokens", "spec_k_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.spec_k_min, bool) or not isinstance(self.spec_k_min, int) or \
+                not 0 <= self.spec_k_min <= self.spec_k_max:
+            raise ValueError(f"spec_k_min must be an integer in [0, spec_k_max={self.spec_k_max}], got {self.spec_k_min!r}")
+        for name in ("spec_tv_budget", "spec_acceptance_low", "spec_acceptance_high", "spec_ema_alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        if self.spec_acceptance_low > self.spec_acceptance_high:
+            raise ValueError("spec_acceptance_low must not exceed spec_acceptance_high")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -11,6 +11,8 @@ from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
+from ..spec.policy import CostPolicy, PolicyConfig, make_policy, spec_summary
+from ..spec.proposer import DraftProposer
 from .config import EngineConfig, parse_bytes
 from .flight import FlightCoordinator
 from .model_runner import ModelRunner
@@ -49,26 +51,36 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 class EngineCore:
     def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int],
-                 model_id: str | None = None):
+                 model_id: str | None = None, draft_model: DecoderModel | None = None):
         self.model = model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        per_page = model.kv_bytes_per_token() * config.page_size
+        # A draft model's KV pages mirror the target's (same page ids), so each page costs both.
+        per_page = (model.kv_bytes_per_token() + (draft_model.kv_bytes_per_token() if draft_model else 0)) \
+            * config.page_size
         num_pages = parse_bytes(config.kv_cache_memory) // per_page
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no page of {per_page} bytes")
-        model.policy.deterministic = config.deterministic
-        model.policy.gemv_max_rows = config.gemv_max_rows
-        model.policy.quant_max_rows = config.quant_max_rows
+        for m in (model, draft_model) if draft_model else (model,):
+            m.policy.deterministic = config.deterministic
+            m.policy.gemv_max_rows = config.gemv_max_rows
+            m.policy.quant_max_rows = config.quant_max_rows
         self.pool = BlockPool(num_pages, config.page_size)
         # The contiguous layout reserves whole regions per request, so it shares no pages.
         caching = config.enable_prefix_caching and config.kv_cache == "paged"
         self.prefix_cache = PrefixCache(self.pool, model_id or model.config.name) if caching else None
         self.flights = FlightCoordinator(config.single_flight if caching else "off")
         self.held: dict[str, Request] = {}  # single-flight followers waiting for their leader
-        self.scheduler = Scheduler(config, self.pool, self.prefix_cache)
-        self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
+        self.proposer = DraftProposer(draft_model, num_pages * config.page_size, config.page_size) \
+            if draft_model else None
+        self.spec_policy = make_policy(PolicyConfig(
+            config.spec_policy, config.num_speculative_tokens, config.spec_k_min, config.spec_k_max,
+            config.spec_acceptance_low, config.spec_acceptance_high, config.spec_ema_alpha)) if draft_model else None
+        self.spec_totals = {"proposed": 0, "accepted": 0, "rounds": 0, "k_histogram": {}}
+        self.scheduler = Scheduler(config, self.pool, self.prefix_cache,
+                                   draft_len=self._draft_len if draft_model else None)
+        self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids, config.spec_tv_budget)
         self.requests: dict[str, Request] = {}
         self._profiler = _torch_profiler(config.torch_profile) if config.torch_profile else None
         log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
@@ -87,6 +99,8 @@ class EngineCore:
         if bad:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
+        if self.spec_policy is not None:
+            req.spec = self.spec_policy.new_state()
         self.requests[req.request_id] = req
         trace.instant("queued", request=req.request_id, prompt_tokens=req.num_prompt_tokens)
         # Only prompts longer than a page have a full page to share.
@@ -141,38 +155,94 @@ class EngineCore:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV pool too small?)")
             return []
+        draft_seconds = self._propose(sched) if sched.num_drafts else None
+        t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
             sampled = self.runner.execute(sched.scheduled)
+        if isinstance(self.spec_policy, CostPolicy):
+            decoding = all(r.num_computed_tokens + n - sched.num_drafts.get(r.request_id, 0) == r.num_tokens
+                           and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
+            self.spec_policy.observe(len(sched.scheduled), sched.num_tokens if decoding else None,
+                                     time.perf_counter() - t0, draft_seconds)
         now = time.monotonic()
         outputs = []
         incremental = self.config.prefix_publish == "incremental"
         for req, n in sched.scheduled:
+            k = sched.num_drafts.get(req.request_id, 0)
             was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += n
+            got = sampled.get(req.request_id)
+            new_tokens, new_logprobs, status = [], [], None
+            for j, token in enumerate(got.tokens if got else ()):
+                req.all_token_ids.append(token)
+                new_tokens.append(token)
+                if got.logprobs:
+                    req.logprobs.append(got.logprobs[j])
+                    new_logprobs.append(got.logprobs[j])
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            # The last token and the accepted drafts have verified KV; rejected drafts' KV is dropped.
+            accepted = got.num_accepted if (got and k) else 0
+            req.num_computed_tokens = min(req.num_computed_tokens + n - k + accepted, req.num_tokens)
+            if req.spec is not None and got is not None and n - k == 1 and not was_prefilling:
+                self._record_round(req, k, accepted)  # a decode step: K drafts verified (K = 0: none)
+            if k:
+                req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+                req.spec_token_ids, req.draft_probs = [], None
+                self.scheduler.trim(req)
             if incremental:
                 self.scheduler.publish(req)
             if was_prefilling and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._run(self.flights.prefill_done(req.request_id, release=incremental))
-            got = sampled.get(req.request_id)
             if got is None:
                 continue
-            token, logprobs = got
-            req.all_token_ids.append(token)
-            if logprobs is not None:
-                req.logprobs.append(logprobs)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 trace.instant("first token", request=req.request_id)
-            status = self._stop_status(req, token)
             if status is not None:
                 trace.instant("finished", request=req.request_id, reason=status.value)
                 self.requests.pop(req.request_id, None)
                 self.scheduler.publish(req)
                 self.scheduler.finish(req, status)
                 self._ended(req, completed=True)
-            outputs.append(EngineOutput(req.request_id, [token], status is not None,
-                                        status.value if status else None, [logprobs] if logprobs else []))
+            outputs.append(EngineOutput(req.request_id, new_tokens, status is not None,
+                                        status.value if status else None, new_logprobs))
         return outputs
+
+    # -- speculative decoding --------------------------------------------------------------------
+    def _draft_len(self, req: Request) -> int:
+        """The policy's K, capped so that committed tokens stay within max_tokens and the context."""
+        k = self.spec_policy.draft_len(req.spec)
+        return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _propose(self, sched) -> float | None:
+        """Draft tokens for the requests scheduled with K > 0; returns the mean seconds of a draft
+        forward when it measured decoding alone (no long catch-up over a prompt)."""
+        batch = [(r, sched.num_drafts[r.request_id]) for r, _ in sched.scheduled if r.request_id in sched.num_drafts]
+        catch_up = sum(r.num_tokens - r.num_draft_computed for r, _ in batch)
+        with trace.span("propose", requests=len(batch)):
+            proposals = self.proposer.propose(batch, self.runner.row_for)
+        for req, _ in batch:
+            prop = proposals[req.request_id]
+            req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs
+        return self.proposer.last_forward_seconds if catch_up <= 2 * len(batch) else None
+
+    def _record_round(self, req: Request, k: int, accepted: int) -> None:
+        self.spec_policy.update(req.spec, k, accepted)
+        t = self.spec_totals
+        t["k_histogram"][k] = t["k_histogram"].get(k, 0) + 1
+        if k:
+            t["proposed"] += k
+            t["accepted"] += accepted
+            t["rounds"] += 1
+
+    def spec_stats(self) -> dict:
+        """Engine-wide speculation counters (empty without a draft model)."""
+        if self.spec_policy is None:
+            return {}
+        t = self.spec_totals
+        return spec_summary(t["proposed"], t["accepted"], t["rounds"], t["k_histogram"])
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

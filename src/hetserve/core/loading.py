@@ -14,6 +14,7 @@ from ..models import registry
 from ..models.decoder import DecoderModel
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
+from ..spec.proposer import check_same_vocab
 from .config import EngineConfig
 from .engine import EngineCore
 
@@ -39,11 +40,26 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     config.weight_format = resolve_weight_format(config.weight_format, device)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
         decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
+    draft = None
+    if config.speculative_model:
+        draft_path = registry.resolve(config.speculative_model)
+        with GGUFFile(draft_path) as f:
+            # Checked before the draft's weights load, so a mismatch fails fast.
+            draft_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
+            check_same_vocab(target_tokens, draft_tokens, len(target_tokens), len(draft_tokens),
+                             config.speculative_model)
+            draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f)
+        # Both must score the same ids (the logit rows, padding rows included).
+        check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
+                         config.speculative_model)
     decoder.quantize_weights(config.weight_format)
+    if draft is not None:
+        draft.quantize_weights(config.weight_format)
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.
     model_id = f"{decoder.config.arch}:{decoder.config.name}:{path.stat().st_size}"
-    engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id)
+    engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id, draft_model=draft)
     return LoadedEngine(path, tokenizer, decoder, config, engine)

@@ -34,8 +34,9 @@ class RequestMetrics:
 
 
 class Request:
-    """`num_computed_tokens` catches up with `num_tokens` (prompt + output); every kind of
-    progress (prefill chunks, decodes, resumption after preemption) is the same rule."""
+    """`num_computed_tokens` catches up with `num_tokens` (prompt + output, plus this step's drafts
+    while they are verified); every kind of progress (prefill chunks, decodes, verification,
+    resumption after preemption) is the same rule."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, cache_salt: str | None = None):
@@ -53,6 +54,12 @@ class Request:
         self.num_published_pages = 0
         self.num_cached_tokens = 0  # prompt tokens restored from the prefix cache at admission
         self.generator: torch.Generator | None = None
+        # Speculative decoding: KV positions the draft model has computed (its own progress counter),
+        # this step's unverified drafts (never in all_token_ids) and the policy's state and stats.
+        self.num_draft_computed = 0
+        self.spec_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        self.spec = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

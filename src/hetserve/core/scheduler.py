@@ -6,12 +6,18 @@ prefilled prompts), then waiting requests' prefill chunks while the budget,
 the most recently admitted running request is preempted: its pages are freed
 and it goes back to the front of the queue, keeping the tokens it generated.
 Waiting requests never preempt running ones.
+
+With speculative decoding, a decoding request may also get K draft positions
+(`draft_len`): it is scheduled for 1 + K tokens, and its pages are reserved for
+them only when free pages allow (drafts never preempt anyone). After
+verification, `trim` gives back the pages past the committed tokens.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import trace
@@ -25,6 +31,7 @@ from .request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
+    num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> K drafts to verify this step
 
     @property
     def num_tokens(self) -> int:
@@ -32,8 +39,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None):
+    def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None,
+                 draft_len: Callable[[Request], int] | None = None):
         self.config = config
+        self.draft_len = draft_len
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
@@ -68,6 +77,14 @@ class Scheduler:
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.num_draft_computed = 0
+
+    def trim(self, req: Request) -> None:
+        """Give back pages past the request's tokens (they held rejected drafts only)."""
+        keep = self.pool.pages_for(req.num_tokens)
+        if self.config.kv_cache == "paged" and len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     # -- prefix cache ------------------------------------------------------------------------------
     def _hashes(self, req: Request) -> list[bytes]:
@@ -121,6 +138,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            k = 0
+            if self.draft_len is not None and n == req.num_tokens - req.num_computed_tokens == 1:
+                k = min(self.draft_len(req), budget - 1)
+                if k > 0 and not self._reserve(req, 1 + k):
+                    k = 0  # no spare pages: a plain decode
+                n += max(k, 0)
             while not self._reserve(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -130,6 +153,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted itself: nothing older can be scheduled either
             out.scheduled.append((req, n))
+            if k > 0:
+                out.num_drafts[req.request_id] = k
             budget -= n
             i += 1
         # 2. Waiting requests, unless this step had to preempt.

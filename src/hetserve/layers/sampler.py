@@ -60,6 +60,21 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The probabilities a non-greedy row draws from (penalties, masking, temperature, filters);
+    speculative decoding computes the target's and the draft's distributions with this one rule."""
+    return filter_logits(apply_penalties(logits, row), row.params).softmax(-1)
+
+
+def logprob_entry(raw_logprobs: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """The chosen token's log-probability plus the top-n (raw model log-probabilities)."""
+    entry = {token: float(raw_logprobs[token])}
+    if n:
+        top = torch.topk(raw_logprobs, n)
+        entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
+    return entry
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict[int, float] | None]]:
     """logits: [B, V] float32 (modified in place). Returns the chosen tokens and optional top-N logprobs."""
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
@@ -74,11 +89,5 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         probs = filter_logits(logits[i], row.params).softmax(-1)
         tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator))
     for j, i in enumerate(want):
-        lp = raw_logprobs[j]
-        n = rows[i].params.logprobs
-        top = torch.topk(lp, n) if n else None
-        entry = {tokens[i]: float(lp[tokens[i]])}
-        if top is not None:
-            entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
-        logprobs[i] = entry
+        logprobs[i] = logprob_entry(raw_logprobs[j], tokens[i], rows[i].params.logprobs)
     return tokens, logprobs

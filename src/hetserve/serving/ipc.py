@@ -76,6 +76,7 @@ class WorkerState:
     pages_total: int
     preemptions: int
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    spec_decode: dict[str, float] = field(default_factory=dict)  # flat: proposed, accepted, ..., k_<K> rounds
     queued_ids: list[str] = field(default_factory=list)  # waiting in the scheduler (or held)
     running_prefill: dict[str, int] = field(default_factory=dict)  # running id -> prompt tokens left
     published: list[bytes] = field(default_factory=list)  # page hashes cached since the last state

@@ -28,6 +28,9 @@ class Metrics:
         self._preempt = Gauge("hetserve:num_preemptions", "Preemptions so far", label, registry=r)
         self._prefix = Gauge("hetserve:prefix_cache", "Prefix cache counters (lookups, hits, restored, published "
                              "and evicted tokens, cached pages)", label + ["counter"], registry=r)
+        self._spec = Gauge("hetserve:spec_decode", "Speculative decoding counters (proposed, accepted, acceptance "
+                           "rate, mean accepted length, verification rounds, k_<K>: decode steps that drafted K)",
+                           label + ["counter"], registry=r)
         self.requests = Counter("hetserve:requests", "Finished HTTP requests by route and status",
                                 ["route", "status"], registry=r)
 
@@ -51,6 +54,8 @@ class Metrics:
         self._preempt.labels(worker).set(st.preemptions)
         for k, v in st.prefix_cache.items():
             self._prefix.labels(worker, k).set(v)
+        for k, v in st.spec_decode.items():
+            self._spec.labels(worker, k).set(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,7 +42,14 @@ def _state(engine) -> ipc.WorkerState:
                            queued_ids=[r.request_id for r in s.waiting] + list(engine.held),
                            running_prefill={r.request_id: max(r.num_prompt_tokens - r.num_computed_tokens, 0)
                                             for r in s.running},
-                           published=published, evicted=evicted)
+                           published=published, evicted=evicted,
+                           spec_decode=_flat_spec(engine.spec_stats()))
+
+
+def _flat_spec(stats: dict) -> dict[str, float]:
+    """Speculation counters with string keys (msgpack maps here have string keys): k_<K> per draft length."""
+    hist = stats.pop("k_histogram", {})
+    return {**stats, **{f"k_{k}": n for k, n in hist.items()}}
 
 
 def serve(spec: dict) -> int:

@@ -1,0 +1,147 @@
+"""`hetserve bench speculative`: speculative decoding vs the target alone, per prompt and temperature.
+
+One engine per configuration (target-only, draft-only, fixed K, the adaptive policies, TV
+budgets at fixed K = 8), each run on a code-refactoring and a creative-writing chat prompt,
+--output-tokens tokens with EOS ignored, at temperature 0 (--runs runs) and 0.7 (--seeds seeds).
+Reported per cell: acceptance, verification rounds per request, median E2E, median decode tok/s
+(output tokens - 1 over E2E - TTFT) and its ratio to target-only on the same prompt and
+temperature. Prefix caching is off so repeated runs never reuse a prompt's pages.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+
+PROMPTS = {
+    "code": "Refactor this Python function into small, well-named functions with type hints and docstrings; "
+            "keep its behaviour exactly:\n\n```python\ndef process(data):\n    out = []\n    for d in data:\n"
+            "        if d['status'] == 'active' and d['age'] >= 18:\n            name = d['first'] + ' ' + d['last']\n"
+            "            total = 0\n            for o in d['orders']:\n                if o['paid']:\n"
+            "                    total += o['amount'] * (1 - o.get('discount', 0))\n"
+            "            out.append({'name': name.title(), 'total': round(total, 2)})\n"
+            "    out.sort(key=lambda x: -x['total'])\n    return out\n```",
+    "creative": "Write a short story about a lighthouse keeper who finds a message in a bottle from "
+                "their future self. Use vivid imagery and an unexpected ending.",
+}
+
+# name -> engine settings (None: no draft); "draft-only" runs the draft model as the target.
+CONFIGS = {
+    "target-only": None,
+    "draft-only": None,
+    "fixed-4": dict(spec_policy="fixed", num_speculative_tokens=4),
+    "fixed-6": dict(spec_policy="fixed", num_speculative_tokens=6),
+    "fixed-8": dict(spec_policy="fixed", num_speculative_tokens=8),
+    "acceptance-rate": dict(spec_policy="acceptance-rate", num_speculative_tokens=4),
+    "accepted-length": dict(spec_policy="accepted-length", num_speculative_tokens=4),
+    "cost": dict(spec_policy="cost", num_speculative_tokens=4),
+    "tv-0": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.0),
+    "tv-0.5": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.5),
+    "tv-0.75": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.75),
+    "tv-1": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=1.0),
+}
+
+
+def _run_config(name: str, args, engine_kw: dict) -> list[dict]:
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+
+    kw = dict(engine_kw, enable_prefix_caching=False, speculative_model=None)
+    model = args.model
+    if name == "draft-only":
+        model = args.draft
+    elif CONFIGS[name] is not None:
+        kw.update(CONFIGS[name], speculative_model=args.draft)
+    llm = LLM(model=model, **kw)
+    llm.generate([llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])],
+                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    rows = []
+    for pname in args.prompts:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[pname]}])
+        for temp in args.temperatures:
+            # TV budgets only change sampled decoding: greedy verification ignores them.
+            if temp == 0.0 and name.startswith("tv-") and name != "tv-0":
+                continue
+            seeds = [None] * args.runs if temp == 0.0 else list(range(args.seeds))
+            runs = []
+            for seed in seeds:
+                params = SamplingParams(max_tokens=args.output_tokens, temperature=temp, top_p=0.8, top_k=20,
+                                        seed=seed, ignore_eos=True)
+                t = time.monotonic()
+                out = llm.generate([ids], params, use_tqdm=False)[0]
+                m = out.metrics
+                ttft, e2e = m["first_token_time"] - t, m["finished_time"] - t
+                spec = m.get("spec_decode", {})
+                runs.append({"e2e_s": e2e, "ttft_s": ttft,
+                             "decode_tok_s": (len(out.token_ids) - 1) / max(e2e - ttft, 1e-9),
+                             "acceptance_rate": spec.get("acceptance_rate"), "rounds": spec.get("rounds"),
+                             "mean_accepted_length": spec.get("mean_accepted_length"),
+                             "k_histogram": spec.get("k_histogram"), "token_ids": out.token_ids})
+            rows.append(_summary(name, pname, temp, runs))
+    del llm
+    gc.collect()
+    return rows
+
+
+def _summary(name: str, prompt: str, temp: float, runs: list[dict]) -> dict:
+    def med(key):
+        vals = [r[key] for r in runs if r[key] is not None]
+        return round(statistics.median(vals), 4) if vals else None
+
+    return {"config": name, "prompt": prompt, "temperature": temp, "runs": len(runs),
+            "acceptance_rate": med("acceptance_rate"), "rounds": med("rounds"),
+            "mean_accepted_length": med("mean_accepted_length"), "e2e_s": med("e2e_s"), "ttft_s": med("ttft_s"),
+            "decode_tok_s": med("decode_tok_s"), "k_histograms": [r["k_histogram"] for r in runs],
+            "greedy_tokens": runs[0]["token_ids"] if temp == 0.0 else None}
+
+
+def main(args) -> int:
+    from ..cli import engine_kwargs
+
+    unknown = [c for c in args.configs if c not in CONFIGS] + [p for p in args.prompts if p not in PROMPTS]
+    if unknown:
+        raise ValueError(f"unknown configs or prompts: {', '.join(unknown)} (configs: {', '.join(CONFIGS)}; "
+                         f"prompts: {', '.join(PROMPTS)})")
+    configs = ["target-only"] + [c for c in args.configs if c != "target-only"]
+    report = {"benchmark": "speculative", "model": args.model, "draft": args.draft,
+              "output_tokens": args.output_tokens, "command": " ".join(sys.argv), "rows": []}
+    for name in configs:
+        print(f"[{name}]", file=sys.stderr, flush=True)
+        report["rows"] += _run_config(name, args, engine_kwargs(args))
+    base = {(r["prompt"], r["temperature"]): r for r in report["rows"] if r["config"] == "target-only"}
+    print(f"{'config':<17}{'prompt':<10}{'temp':>5}{'accept':>8}{'rounds':>8}{'E2E s':>9}{'decode tok/s':>14}"
+          f"{'ratio':>7}  greedy = target")
+    for r in report["rows"]:
+        b = base[(r["prompt"], r["temperature"])]
+        r["ratio_to_target"] = round(r["decode_tok_s"] / b["decode_tok_s"], 3)
+        same = "" if r["temperature"] else ("yes" if r["greedy_tokens"] == b["greedy_tokens"] else "no")
+        if r["config"] == "draft-only":
+            same = ""  # a different model: a cost reference only
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        rounds = "-" if r["rounds"] is None else f"{r['rounds']:.0f}"
+        print(f"{r['config']:<17}{r['prompt']:<10}{r['temperature']:>5}{acc:>8}{rounds:>8}{r['e2e_s']:>9.2f}"
+              f"{r['decode_tok_s']:>14.2f}{r['ratio_to_target']:>7.2f}  {same}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+    p = sub.add_parser("speculative", help="speculative decoding (policies, TV budgets) vs the target alone")
+    add_model_flag(p)
+    p.set_defaults(model="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model (registry name or .gguf)")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
+                   help=f"comma-separated subset of: {', '.join(CONFIGS)} (target-only always runs)")
+    p.add_argument("--prompts", type=lambda s: s.split(","), default=list(PROMPTS), help="code,creative")
+    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--seeds", type=int, default=3, help="seeded runs per cell at temperature > 0")
+    p.add_argument("--runs", type=int, default=1, help="runs per cell at temperature 0")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+    add_engine_flags(p)
+    p.set_defaults(func=main)

@@ -1,0 +1,207 @@
+"""How many tokens to draft for a request in the next round (`--spec-policy`).
+
+- fixed: always K.
+- acceptance-rate: after each verification, rate = accepted / proposed; K - 1 below the low
+  threshold, K + 1 above the high one, within [k_min, k_max].
+- accepted-length: s <- a * accepted + (1 - a) * s; K = clamp(round(s) + 1, k_min, k_max).
+- cost: K in 0..k_max maximising expected tokens per second, from the measured step costs of
+  the draft and the target and the request's running per-token acceptance (see CostPolicy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("fixed", "acceptance-rate", "accepted-length", "cost")
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its policy state and its statistics."""
+
+    k: int
+    smoothed_accepted: float
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0  # verification rounds (K >= 1)
+    k_histogram: dict[int, int] = field(default_factory=dict)  # K chosen per decode step (0 = no draft)
+    # cost policy: decayed counts of accepted drafts and of drafts tried (accepts + first rejection)
+    successes: float = 0.0
+    trials: float = 0.0
+    rounds_without_draft: int = 0
+    probe_interval: int = 16  # cost policy: rounds without drafts before the next probe
+
+    def record(self, k: int, accepted: int) -> None:
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        if k:
+            self.proposed += k
+            self.accepted += accepted
+            self.rounds += 1
+
+    def as_dict(self) -> dict:
+        return spec_summary(self.proposed, self.accepted, self.rounds, self.k_histogram)
+
+
+def spec_summary(proposed: int, accepted: int, rounds: int, k_histogram: dict[int, int]) -> dict:
+    return {"proposed": proposed, "accepted": accepted,
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
+            "mean_accepted_length": round(accepted / rounds, 4) if rounds else 0.0,
+            "rounds": rounds, "k_histogram": dict(sorted(k_histogram.items()))}
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "fixed"
+    k: int = 4
+    k_min: int = 1
+    k_max: int = 8
+    low: float = 0.4
+    high: float = 0.8
+    alpha: float = 0.5
+
+
+class DraftPolicy:
+    def __init__(self, cfg: PolicyConfig):
+        self.cfg = cfg
+
+    def new_state(self) -> SpecState:
+        return SpecState(k=self.cfg.k, smoothed_accepted=float(self.cfg.k - 1))
+
+    def draft_len(self, st: SpecState) -> int:
+        return st.k
+
+    def update(self, st: SpecState, proposed: int, accepted: int) -> None:
+        st.record(proposed, accepted)
+
+    def _clamp(self, k: int) -> int:
+        return max(self.cfg.k_min, min(self.cfg.k_max, k))
+
+
+class AcceptanceRatePolicy(DraftPolicy):
+    def update(self, st: SpecState, proposed: int, accepted: int) -> None:
+        st.record(proposed, accepted)
+        if proposed:
+            rate = accepted / proposed
+            st.k = self._clamp(st.k - 1 if rate < self.cfg.low else st.k + 1 if rate > self.cfg.high else st.k)
+
+
+class AcceptedLengthPolicy(DraftPolicy):
+    def update(self, st: SpecState, proposed: int, accepted: int) -> None:
+        st.record(proposed, accepted)
+        if proposed:
+            a = self.cfg.alpha
+            st.smoothed_accepted = a * accepted + (1 - a) * st.smoothed_accepted
+            st.k = self._clamp(round(st.smoothed_accepted) + 1)
+
+
+class LinearCost:
+    """seconds = a + b * tokens, an exponentially weighted least-squares fit of measured forwards."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.count = 0
+        self.w = self.n = self.t = self.nn = self.nt = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.count += 1
+        d = self.decay
+        self.w, self.n, self.t = d * self.w + 1, d * self.n + tokens, d * self.t + seconds
+        self.nn, self.nt = d * self.nn + tokens * tokens, d * self.nt + tokens * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.count >= 2
+
+    def predict(self, tokens: float) -> float:
+        mn, mt = self.n / self.w, self.t / self.w
+        var = self.nn / self.w - mn * mn
+        b = (self.nt / self.w - mn * mt) / var if var > 1e-6 * max(mn * mn, 1) else 0.0
+        b = max(b, 0.0)  # a forward never gets cheaper with more tokens
+        return max(mt + b * (tokens - mn), 1e-6)
+
+
+class CostPolicy(DraftPolicy):
+    """Expected tokens per second of a round with K drafts, for a batch of B decoding requests
+    that each draft K:
+
+        E(K) = 1 + alpha + ... + alpha^K            (accepted drafts + the correction/bonus)
+        T(K) = K * draft(B) + target(B * (1 + K))   (K = 0: target(B) alone)
+
+    with alpha the request's per-token acceptance (decayed counts, the engine-wide rate as a
+    prior), draft(n) and target(n) linear fits of measured forwards of n tokens (target: steps
+    without prefill only). It picks argmax E(K) / T(K) over 0..k_max. Before the target's plain
+    decode cost is measured it does not draft; before the draft's cost is known it drafts K. A
+    request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
+    probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
+    also pays for the draft catching up over the tokens it skipped."""
+
+    probe_every = 16
+    max_probe_interval = 256
+    decay = 0.9
+    prior_weight = 2.0
+
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__(cfg)
+        self.target = LinearCost()
+        self.draft = LinearCost()
+        self.batch = 1
+        self.global_successes = 1.0  # a weak 50% prior
+        self.global_trials = 2.0
+
+    def alpha(self, st: SpecState) -> float:
+        g = self.global_successes / self.global_trials
+        return (st.successes + self.prior_weight * g) / (st.trials + self.prior_weight)
+
+    def best_k(self, alpha: float, lo: int = 0) -> int:
+        b = max(self.batch, 1)
+        best, best_rate = 0, 1.0 / self.target.predict(b)
+        gain = 1.0
+        for k in range(1, self.cfg.k_max + 1):
+            gain += alpha ** k
+            rate = gain / (k * self.draft.predict(b) + self.target.predict(b * (1 + k)))
+            if rate > best_rate or (lo and best < lo):
+                best, best_rate = k, rate
+        return best
+
+    def draft_len(self, st: SpecState) -> int:
+        if not self.target.known:
+            return 0
+        if not self.draft.known:
+            return self.cfg.k
+        k = self.best_k(self.alpha(st))
+        if k == 0 and st.rounds_without_draft >= st.probe_interval:
+            return self.best_k(self.alpha(st), lo=1)
+        return k
+
+    def update(self, st: SpecState, proposed: int, accepted: int) -> None:
+        st.record(proposed, accepted)
+        if not proposed:
+            st.rounds_without_draft += 1
+            return
+        if st.rounds_without_draft >= st.probe_interval:  # this round was a probe
+            st.probe_interval = self.probe_every if accepted else min(2 * st.probe_interval,
+                                                                      self.max_probe_interval)
+        st.rounds_without_draft = 0
+        tried = accepted + (accepted < proposed)
+        st.successes = self.decay * st.successes + accepted
+        st.trials = self.decay * st.trials + tried
+        self.global_successes = self.decay * self.global_successes + accepted
+        self.global_trials = self.decay * self.global_trials + tried
+
+    def observe(self, batch: int, target_tokens: int | None, target_seconds: float,
+                draft_forward_seconds: float | None) -> None:
+        """One step: decoding requests, the target forward (tokens None when it held prefill) and the
+        mean draft forward (None when nothing was drafted)."""
+        self.batch = batch
+        if target_tokens is not None:
+            self.target.add(target_tokens, target_seconds)
+        if draft_forward_seconds is not None:
+            self.draft.add(batch, draft_forward_seconds)
+
+
+def make_policy(cfg: PolicyConfig) -> DraftPolicy:
+    cls = {"fixed": DraftPolicy, "acceptance-rate": AcceptanceRatePolicy,
+           "accepted-length": AcceptedLengthPolicy, "cost": CostPolicy}.get(cfg.name)
+    if cls is None:
+        raise ValueError(f"unknown speculative policy {cfg.name!r} ({', '.join(POLICIES)})")
+    return cls(cfg)

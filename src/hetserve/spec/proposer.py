@@ -1,0 +1,104 @@
+"""The draft model's side of speculative decoding: its own KV cache, and batched draft forwards.
+
+The draft's KV cache has as many slots as the target's and is addressed through the
+target's block tables, so page allocation, freeing and preemption stay one mechanism.
+What the draft has computed is tracked by its own counter per request
+(`num_draft_computed`): every round first catches up over the tokens it lacks (the
+whole prompt on a request's first round, since prefix-cache hits restore only the
+target's KV; one or two tokens afterwards), then runs one-token forwards for the
+remaining drafts. Works on any objects with the Request fields it reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import trace
+from ..layers.attention import AttentionMetadata
+from ..layers.sampler import SamplingRow, apply_penalties, distribution
+from ..models.decoder import DecoderModel
+
+
+class VocabularyMismatch(ValueError):
+    pass
+
+
+def check_same_vocab(target_tokens: list[str], draft_tokens: list[str], target_vocab: int, draft_vocab: int,
+                     draft_name: str) -> None:
+    """The draft must propose token ids that mean the same to the target."""
+    if target_vocab != draft_vocab or len(target_tokens) != len(draft_tokens):
+        raise VocabularyMismatch(
+            f"speculative model {draft_name} has a vocabulary of {draft_vocab} ids ({len(draft_tokens)} tokens), "
+            f"the target {target_vocab} ids ({len(target_tokens)} tokens): they must be the same")
+    for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)):
+        if a != b:
+            raise VocabularyMismatch(f"speculative model {draft_name}: token {i} is {b!r}, the target's is {a!r}; "
+                                     "the draft and target must share a tokenizer")
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [k, V] draft distributions the tokens were drawn from; None when greedy
+
+
+RowFor = Callable[[object, list[int]], SamplingRow]  # (request, drafts so far) -> the row at that position
+
+
+class DraftProposer:
+    def __init__(self, model: DecoderModel, num_slots: int, page_size: int):
+        self.model = model
+        self.page_size = page_size
+        self.kv_caches = model.allocate_kv_cache(num_slots)
+        self.last_forward_seconds = 0.0  # mean seconds of one draft forward in the last round
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[object, int]], row_for: RowFor) -> dict[str, Proposal]:
+        """batch: (request, k >= 1). Returns k draft tokens per request (and their distributions)."""
+        t0 = time.perf_counter()
+        out = {req.request_id: Proposal([], None) for req, _ in batch}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in batch}
+        # Round 0 catches up over every token the draft has not seen; later rounds feed one draft each.
+        active = list(batch)
+        step = 0
+        while active:
+            ids, positions, qlens, clens, tables = [], [], [], [], []
+            for req, _ in active:
+                if step == 0:
+                    start, toks = req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]
+                else:
+                    start, toks = req.num_tokens + step - 1, out[req.request_id].tokens[-1:]
+                ids.extend(toks)
+                positions.extend(range(start, start + len(toks)))
+                qlens.append(len(toks))
+                clens.append(start + len(toks))
+                tables.append(req.block_ids)
+            dev = self.model.device
+            meta = AttentionMetadata.build(qlens, clens, tables, self.page_size, dev,
+                                           per_query=self.model.policy.deterministic)
+            with trace.span("draft", requests=len(active), tokens=len(ids)):
+                hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                            meta, self.kv_caches)
+                last = torch.tensor(qlens, device=dev).cumsum(0) - 1
+                logits = self.model.compute_logits(hidden[last])
+            for i, (req, _) in enumerate(active):
+                req.num_draft_computed = clens[i]
+                prop = out[req.request_id]
+                row = row_for(req, prop.tokens)
+                if row.params.greedy:
+                    prop.tokens.append(int(apply_penalties(logits[i], row).argmax()))
+                else:
+                    q = distribution(logits[i], row)
+                    prop.tokens.append(int(torch.multinomial(q, 1, generator=req.generator)))
+                    probs[req.request_id].append(q)
+            step += 1
+            active = [(req, k) for req, k in active if k > step]
+        for rid, qs in probs.items():
+            if qs:
+                out[rid].probs = torch.stack(qs)
+        self.last_forward_seconds = (time.perf_counter() - t0) / max(step, 1)
+        return out

@@ -1,0 +1,233 @@
+"""Speculative decoding in the engine, on tiny models: greedy output equals the target alone,
+page accounting after rejections, aborts and preemption, prefix-cache safety, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetserve import LLM, SamplingParams
+from hetserve.core.request import Request
+from hetserve.spec.policy import POLICIES
+from hetserve.spec.proposer import VocabularyMismatch
+from tiny_model import write_tiny_gguf
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    [5, 17, 300, 42],
+    [99, 7, 1, 2, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23],
+    [60],
+    list(range(30, 70)),
+    [8, 8, 8, 8, 8, 8],
+]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_dir) -> dict[str, str]:
+    """near: the target's weights plus noise (accepts about half of greedy drafts);
+    small: an unrelated, smaller model with the same vocabulary (rejects almost everything)."""
+    return {
+        "near": write_tiny_gguf(tiny_dir / "draft-near.gguf", "qwen2", noise=0.05),
+        "small": write_tiny_gguf(tiny_dir / "draft-small.gguf", "qwen2", seed=1, n_layers=1, hidden=32,
+                                 n_heads=2, n_kv_heads=1, ffn=64),
+    }
+
+
+def make(path, draft=None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", "4MiB")
+    kw.setdefault("page_size", 4)
+    kw.setdefault("deterministic", True)
+    if draft:
+        kw["speculative_model"] = draft
+    return LLM(model=path, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+def assert_pages_back(llm: LLM) -> None:
+    eng = llm.engine
+    assert eng.num_free_pages == eng.pool.num_blocks, "pages leaked"
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def target_only(tiny_qwen2) -> list[list[int]]:
+    return tokens(make(tiny_qwen2).generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_speculation_equals_target_alone_and_batched(tiny_qwen2, drafts, target_only, policy):
+    llm = make(tiny_qwen2, drafts["near"], spec_policy=policy, num_speculative_tokens=3, spec_k_max=5)
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(batched) == target_only
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    assert alone == target_only
+    stats = llm.engine.spec_stats()
+    assert stats["rounds"] > 0 and 0 < stats["accepted"] < stats["proposed"], stats  # accepts and rejections
+    if policy == "fixed":
+        assert max(stats["k_histogram"]) == 3
+    assert_pages_back(llm)
+
+
+def test_greedy_with_an_unrelated_smaller_draft_and_stop_token(tiny_qwen2, drafts, target_only):
+    llm = make(tiny_qwen2, drafts["small"], num_speculative_tokens=4)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+    # A stop token: output ends at its first occurrence, even when it is an accepted draft.
+    stop = target_only[3][7]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    same = make(tiny_qwen2, tiny_qwen2)  # accepts every draft, so the stop token is often an accepted one
+    for engine in (llm, same):
+        out = engine.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+        assert out.token_ids == target_only[3][:target_only[3].index(stop) + 1]
+        assert out.finish_reason == "stop"
+        assert_pages_back(engine)
+
+
+def test_identical_draft_accepts_every_token_with_sampling_filters(tiny_qwen2):
+    """Draft = target: p and q must come out of the same penalties, temperature and filters,
+    position by position, or some drafts would be rejected."""
+    llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6, seed=1, ignore_eos=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = llm.engine.spec_stats()
+    assert stats["proposed"] > 0 and stats["acceptance_rate"] == 1.0, stats
+    for o in outs:
+        s = o.metrics["spec_decode"]
+        assert s["accepted"] == s["proposed"] and s["mean_accepted_length"] > 3.0
+        assert len(o.token_ids) >= 6
+    assert_pages_back(llm)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(tiny_qwen2, drafts):
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]
+    batched = tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    assert batched == alone
+    assert len({tuple(t) for t in batched}) == len(PROMPTS)
+    assert_pages_back(llm)
+
+
+def test_tv_budget_one_accepts_every_sampled_draft_and_leaves_greedy_exact(tiny_qwen2, drafts, target_only):
+    llm = make(tiny_qwen2, drafts["small"], spec_tv_budget=1.0, num_speculative_tokens=3)
+    sampled = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0.8, seed=0, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(o.metrics["spec_decode"]["acceptance_rate"] == 1.0 for o in sampled)
+    greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(greedy) == target_only  # temperature 0 always uses the greedy rule
+    assert_pages_back(llm)
+
+
+def test_logprobs_match_target_alone(tiny_qwen2, drafts):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    ref = make(tiny_qwen2).generate(PROMPTS[:3], params, use_tqdm=False)
+    got = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3).generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == 12
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-5 for t in x)
+
+
+def test_preemption_of_speculating_requests(tiny_qwen2, drafts):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = tokens(make(tiny_qwen2).generate(PROMPTS, params, use_tqdm=False))
+    probe = make(tiny_qwen2, drafts["near"])
+    per_page = (probe.model.kv_bytes_per_token() + probe.engine.proposer.model.kv_bytes_per_token()) * 4
+    tight = make(tiny_qwen2, drafts["near"], kv_cache_memory=str(40 * per_page), num_speculative_tokens=4)
+    assert tight.engine.pool.num_blocks == 40
+    outs = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tokens(outs) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.spec_stats()["rounds"] > 0
+    assert_pages_back(tight)
+
+
+def test_abort_while_speculating_and_rejected_pages_trimmed(tiny_qwen2, drafts):
+    llm = make(tiny_qwen2, drafts["small"], num_speculative_tokens=6)
+    eng = llm.engine
+    eng.add_request(Request("a", [5, 17, 300, 42], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+    eng.add_request(Request("b", list(range(30, 45)), SamplingParams(max_tokens=30, temperature=0.7, seed=2,
+                                                                       ignore_eos=True)))
+    eng.step()  # prefill both
+    for _ in range(3):
+        eng.step()
+        for r in eng.scheduler.running:
+            # After verification only the pages of committed tokens are kept.
+            assert len(r.block_ids) == eng.pool.pages_for(r.num_tokens)
+            assert r.num_computed_tokens == r.num_tokens - 1
+            assert r.num_draft_computed <= r.num_computed_tokens
+            assert not r.spec_token_ids
+    assert eng.requests["a"].spec.rounds == 3
+    assert eng.abort("a")
+    eng.step()
+    assert eng.abort("b")
+    assert_pages_back(llm)
+
+
+def test_unverified_drafts_never_reach_the_prefix_cache(tiny_qwen2, drafts):
+    llm = make(tiny_qwen2, drafts["small"], num_speculative_tokens=5)
+    prompt = list(range(100, 123))
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    full = prompt + first.token_ids
+    cache = llm.engine.prefix_cache
+    assert cache.num_cached_pages > 0
+    for entry in cache._by_hash.values():  # every cached page holds a slice of the real tokens
+        page_tokens = list(entry.token_ids)
+        assert any(full[i:i + 4] == page_tokens for i in range(0, len(full), 4)), page_tokens
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # restores the target's pages, draft recomputes
+    assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    assert_pages_back(llm)
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tiny_qwen2, tiny_llama):
+    with pytest.raises(VocabularyMismatch, match="share a tokenizer|vocabulary"):
+        make(tiny_qwen2, tiny_llama)
+
+
+def test_stats_add_up(tiny_qwen2, drafts):
+    llm = make(tiny_qwen2, drafts["near"], spec_policy="acceptance-rate", num_speculative_tokens=2, spec_k_max=4)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    total = {"proposed": 0, "accepted": 0, "rounds": 0}
+    for o in outs:
+        s = o.metrics["spec_decode"]
+        hist = s["k_histogram"]
+        assert s["proposed"] == sum(k * n for k, n in hist.items())
+        assert s["rounds"] == sum(n for k, n in hist.items() if k)
+        assert sum(hist.values()) + s["accepted"] == 19  # each decode step commits its accepted drafts + 1
+        assert s["acceptance_rate"] == round(s["accepted"] / s["proposed"], 4)
+        assert s["mean_accepted_length"] == round(s["accepted"] / s["rounds"], 4)
+        for key in total:
+            total[key] += s[key]
+    stats = llm.engine.spec_stats()
+    assert {k: stats[k] for k in total} == total
+    assert max(stats["k_histogram"]) > 2 or min(stats["k_histogram"]) < 2  # the policy moved K
+
+
+@pytest.mark.parametrize("kw", [dict(kv_cache="contiguous"), dict(max_num_batched_tokens=6)])
+def test_contiguous_layout_and_a_tiny_token_budget(tiny_qwen2, drafts, target_only, kw):
+    """Drafts share the step's token budget with other requests' decodes and prefill chunks."""
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=4, **kw)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+    assert llm.engine.spec_stats()["rounds"] > 0
+    assert_pages_back(llm)
+
+
+def test_engine_stats_reach_worker_state_and_prometheus(tiny_qwen2, drafts):
+    from hetserve.serving import ipc
+    from hetserve.serving.metrics import Metrics
+    from hetserve.serving.worker import _state
+
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    stats = llm.engine.spec_stats()
+    msg = ipc.decode(ipc.encode(ipc.Outputs("cpu", [], _state(llm.engine))))  # string keys on the wire
+    spec = msg.state.spec_decode
+    assert spec["proposed"] == stats["proposed"] and spec["k_3"] == stats["k_histogram"][3]
+    m = Metrics()
+    m.worker_state("cpu", msg.state)
+    text = m.render().decode()
+    assert f'hetserve:spec_decode{{counter="accepted",worker="cpu"}} {float(stats["accepted"])}' in text

@@ -1,0 +1,137 @@
+"""Draft-length policies: the update rules, and the cost policy's choice from measured costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetserve.spec.policy import CostPolicy, LinearCost, PolicyConfig, make_policy
+
+
+def run(policy, rounds):
+    st = policy.new_state()
+    ks = []
+    for accepted_fraction in rounds:
+        k = policy.draft_len(st)
+        ks.append(k)
+        policy.update(st, k, round(accepted_fraction * k))
+    return st, ks
+
+
+def test_fixed_keeps_k():
+    _, ks = run(make_policy(PolicyConfig("fixed", k=5)), [0.0, 1.0, 0.0])
+    assert ks == [5, 5, 5]
+
+
+def test_acceptance_rate_steps_k_within_bounds():
+    p = make_policy(PolicyConfig("acceptance-rate", k=4, k_min=2, k_max=6, low=0.4, high=0.8))
+    st, ks = run(p, [1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0])
+    assert ks == [4, 5, 6, 6, 6, 6, 5, 4, 3]
+    assert st.k == 2  # clamped at k_min
+    assert st.proposed == sum(ks) and st.rounds == len(ks)
+
+
+def test_accepted_length_follows_smoothed_accepts():
+    p = make_policy(PolicyConfig("accepted-length", k=4, k_min=1, k_max=8, alpha=0.5))
+    st = p.new_state()
+    assert st.smoothed_accepted == 3.0
+    p.update(st, 4, 4)  # s = 0.5 * 4 + 0.5 * 3 = 3.5 -> K = round(3.5) + 1 = 5
+    assert st.smoothed_accepted == 3.5 and st.k == 5
+    p.update(st, st.k, 0)  # s = 1.75 -> K = 3
+    assert st.k == 3
+    for _ in range(10):
+        p.update(st, st.k, 0)
+    assert st.k == 1
+
+
+def test_linear_cost_fit():
+    c = LinearCost(decay=1.0)
+    for n in (1, 2, 5, 9, 1, 5):
+        c.add(n, 0.1 + 0.02 * n)
+    assert abs(c.predict(3) - 0.16) < 1e-9 and abs(c.predict(20) - 0.5) < 1e-9
+    flat = LinearCost()
+    flat.add(4, 0.3)
+    flat.add(4, 0.5)
+    assert abs(flat.predict(10) - 0.4) < 0.01  # one size seen: no slope to extrapolate
+
+
+def cost_policy(target_a, target_b, draft_s, k_max=8) -> CostPolicy:
+    p = make_policy(PolicyConfig("cost", k=4, k_min=1, k_max=k_max))
+    assert isinstance(p, CostPolicy)
+    for n in (1, 5, 9, 1, 5, 9):
+        p.observe(1, n, target_a + target_b * n, draft_s)
+    return p
+
+
+@pytest.mark.parametrize("alpha,draft_s,expected", [
+    (0.9, 0.05, range(5, 9)),  # cheap draft, high acceptance: long drafts
+    (0.1, 0.05, range(0, 2)),  # drafts rarely accepted: (almost) no speculation
+    (0.9, 2.0, [0]),  # a draft slower than the target never pays
+])
+def test_cost_policy_maximises_expected_tokens_per_second(alpha, draft_s, expected):
+    p = cost_policy(1.0, 0.01, draft_s)
+    k = p.best_k(alpha)
+    assert k in expected
+    # The choice is the argmax of E(K) / T(K) over all K.
+    def rate(k):
+        gain = sum(alpha ** i for i in range(k + 1))
+        return gain / (k * p.draft.predict(1) + p.target.predict(1 + k))
+    assert rate(k) == max(rate(j) for j in range(0, 9))
+
+
+def stop_drafting(p, st):
+    for _ in range(20):
+        k = p.draft_len(st)
+        if k == 0:
+            break
+        p.update(st, k, 0)  # every draft rejected
+    assert p.draft_len(st) == 0
+
+
+def test_cost_policy_backs_off_failed_probes():
+    p = cost_policy(1.0, 0.01, 0.3)
+    st = p.new_state()
+    stop_drafting(p, st)
+    waits = []
+    for _ in range(3):
+        wait = 0
+        while (k := p.draft_len(st)) == 0:
+            p.update(st, 0, 0)
+            wait += 1
+        waits.append(wait)
+        p.update(st, k, 0)  # the probe fails
+    assert waits == [16, 32, 64]
+
+
+def test_cost_policy_learns_acceptance_and_probes_after_stopping():
+    p = cost_policy(1.0, 0.01, 0.3)
+    st = p.new_state()
+    stop_drafting(p, st)
+    ks = []
+    for _ in range(CostPolicy.probe_every + 1):
+        k = p.draft_len(st)
+        ks.append(k)
+        p.update(st, k, 0 if k == 0 else k)  # the probe is fully accepted
+    assert ks[:CostPolicy.probe_every] == [0] * CostPolicy.probe_every and ks[-1] >= 1
+    assert p.draft_len(st) >= 1  # acceptance recovered: it drafts again
+
+
+def test_cost_policy_measures_before_choosing():
+    p = make_policy(PolicyConfig("cost", k=4))
+    st = p.new_state()
+    assert p.draft_len(st) == 0  # the target's plain decode cost first
+    p.observe(1, 1, 0.5, None)
+    p.observe(1, 1, 0.5, None)
+    assert p.draft_len(st) == 4  # then K drafts to measure the draft
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(spec_policy="bogus"), "unknown speculative policy"),
+    (dict(spec_tv_budget=1.5), "spec_tv_budget must be a number in"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens must be a positive integer"),
+    (dict(spec_k_min=5, spec_k_max=3), "spec_k_min must be an integer in"),
+])
+def test_config_rejects_bad_speculative_settings(kw, needle):
+    from hetserve.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kw)
