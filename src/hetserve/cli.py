@@ -30,7 +30,7 @@ _ENGINE_HELP = {
     "trace_directory": "write a Chrome/Perfetto trace (trace-<worker>-<pid>.json) per process into this directory",
     "torch_profile": "write a torch.profiler trace of 10 engine steps into this directory",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
-    "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int4 on AVX2 CPUs, fp32 elsewhere)",
+    "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int8 on AVX2 CPUs, fp32 elsewhere)",
     "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones fp32 GEMM",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",

@@ -37,7 +37,7 @@ class EngineConfig:
     trace_directory: str | None = None  # write a Chrome/Perfetto trace per process here
     torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
-    weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int4 on CPUs with AVX2, else fp32)
+    weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int8 on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
