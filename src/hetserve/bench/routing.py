@@ -44,9 +44,9 @@ def _default_devices() -> list[str]:
         return ["cuda", f"cpu:threads={max(cores - 2, 1)}"]
     if cores >= 4:  # many threads vs one; one core left for the API process and the client
         return [f"cpu:threads={cores - 2}", "cpu:threads=1"]
-    # Two cores: one each. The second runs the batch-invariant (deterministic) kernels, measured
-    # here at 0.60x the decode rate at batch 1, 0.75x at 2, 0.95x at 4; prefill about the same.
-    return ["cpu:threads=1", "cpu:threads=1,deterministic=true"]
+    # Two cores: one each. The fast one decodes with int8 weights, the slow one with fp32 (about
+    # 3x slower decode, the same fp32 GEMM prefill): unequal the way a GPU and a CPU are at decode.
+    return ["cpu:threads=1,weight_format=int8", "cpu:threads=1,weight_format=fp32"]
 
 
 def _names(devices: list[str]) -> list[str]:
@@ -346,7 +346,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--inference-device", action="append", default=None,
                    help="a worker (repeatable; the first is the fast one that forced routing uses). Default: "
                         "cuda + cpu:threads=<cores-2> with a GPU; else cpu:threads=<cores-2> + cpu:threads=1 with "
-                        "4 or more cores; else cpu:threads=1 + cpu:threads=1,deterministic=true")
+                        "4 or more cores; else cpu:threads=1,weight_format=int8 + cpu:threads=1,weight_format=fp32")
     p.add_argument("--profile", action="append", default=[], help="worker profiles, one per worker, in order")
     p.add_argument("--policies", nargs="+", default=None, help="default: force:<first worker> cost")
     p.add_argument("--bursts", type=int, nargs="+", default=[8, 48])

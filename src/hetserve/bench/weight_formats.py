@@ -42,10 +42,12 @@ def _agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
 
 
 def _weight_bytes(llm) -> tuple[int, int]:
-    """(bytes a decode step reads from linear weights, their parameter count)."""
+    """(bytes a decode step reads from linear weights, parameters a prefill token multiplies by:
+    every linear but the output head, which only the last prompt token needs)."""
     total, params = 0, 0
     for lin in llm.model.linears():
-        params += lin.weight.numel()
+        if lin is not llm.model.lm_head:
+            params += lin.weight.numel()
         total += lin.qweight.nbytes if lin.qweight is not None else lin.weight.numel() * lin.weight.element_size()
     return total, params
 
