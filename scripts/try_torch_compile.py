@@ -1,5 +1,5 @@
 # Experiment for docs/benchmarks.md ("CPU fast path"): run with .venv/bin/python, needs the 0.5B model pulled.
-"""Experiment: does torch.compile of the per-layer elementwise ops (RMSNorm, RoPE, SiLU*up) pay on
+"""Experiment: does torch.compile of the per-layer elementwise ops (RMSNorm and RoPE) pay on
 decode? Same engine, same prompt; decode tok/s before and after, and the compile time."""
 import time, statistics, torch
 import hetserve.models.decoder as dec
