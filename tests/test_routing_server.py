@@ -71,19 +71,24 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def pair(tiny_qwen2, profile_file, tmp_path_factory):
-    """Two deterministic CPU workers, cost routing, a route log. cpu0 is routed by the profile file;
-    cpu1 (another --inference-device value, the same settings) measures its own at start-up."""
+    """Two deterministic CPU workers, cost routing, a route log. Both get the same profile (each
+    matched by its --inference-device value), so their speeds are equal by construction: profiles
+    measured at start-up on a busy 2-core machine would make the routing depend on the load.
+    Start-up profiling is covered by test_llm_with_several_devices_routes_in_worker_processes."""
     log = tmp_path_factory.mktemp("route") / "route.jsonl"
+    prof = json.load(open(profile_file))
+    second = tmp_path_factory.mktemp("profile2") / "cpu1.json"
+    second.write_text(json.dumps({**prof, "device": "cpu:threads=1,max_num_seqs=8"}))
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--inference-device", "cpu:threads=1",
                "--inference-device", "cpu:threads=1,max_num_seqs=8", "--profile", profile_file,
-               "--route-log", str(log))
+               "--profile", str(second), "--route-log", str(log))
     s.log = log
     yield s
     assert s.stop() == 0
     out = s.proc.stdout.read()
     given = json.load(open(profile_file))["prefill"][0][1]
     assert f"worker cpu0 (cpu:threads=1): prefill tok/s {{64: {given:.1f}," in out
-    assert "worker cpu1 (cpu:threads=1,max_num_seqs=8): prefill tok/s {32: " in out
+    assert f"worker cpu1 (cpu:threads=1,max_num_seqs=8): prefill tok/s {{64: {given:.1f}," in out
 
 
 def test_two_workers_give_one_workers_outputs_and_share_the_work(tiny_qwen2, pair):
@@ -164,3 +169,15 @@ def test_llm_with_several_devices_routes_in_worker_processes(tiny_qwen2, tmp_pat
     assert [o.text for o in outs] == [o.text for o in expected] and streamed == expected[0].text
     assert all(o.finish_reason == "length" for o in outs)
     assert [line["choice"] for line in routed(log)] == ["cpu0", "cpu1", "cpu0", "cpu1", "cpu0"]
+
+
+def test_workers_without_a_profile_measure_one_at_start_up(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--inference-device", "cpu:threads=1",
+               "--inference-device", "cpu:threads=1,max_num_seqs=4", "--route-policy", "round-robin")
+    try:
+        assert complete(s.url, [1, 2, 3], 2)["usage"]["completion_tokens"] == 2
+    finally:
+        assert s.stop() == 0
+    out = s.proc.stdout.read()
+    assert "worker cpu0 (cpu:threads=1): prefill tok/s {32: " in out
+    assert "worker cpu1 (cpu:threads=1,max_num_seqs=4): prefill tok/s {32: " in out
