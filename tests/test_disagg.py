@@ -124,3 +124,18 @@ def test_bad_payloads_are_refused(tiny_qwen2):
     with pytest.raises(TransferError, match="not parked"):
         export_request(b, "x")
 
+
+def test_router_splits_only_when_the_transfer_is_repaid():
+    from hetserve.serving.router import Candidate, choose_split
+
+    def cand(name, prefill_s, decode_s):
+        return Candidate(name, 0, 0, 0, 100, 100, prefill_s, decode_s)
+
+    # A prefills fast, B decodes fast: splitting saves 4 s, the transfer costs 0.001 s
+    s = choose_split([cand("a", 1.0, 5.0), cand("b", 4.0, 1.0)], 1000, 1000, 1e9)
+    assert (s.prefill, s.decode) == ("a", "b") and s.score == pytest.approx(2.001) and s.best_whole == 5.0
+    # a slow link: 1000 tokens x 1000 bytes at 1e5 B/s = 10 s, more than the split saves
+    assert choose_split([cand("a", 1.0, 5.0), cand("b", 4.0, 1.0)], 1000, 1000, 1e5) is None
+    # one worker best at both: no split
+    assert choose_split([cand("a", 1.0, 1.0), cand("b", 4.0, 5.0)], 1000, 1000, 1e9) is None
+    assert choose_split([cand("a", 1.0, 1.0)], 10, 10, 1e9) is None
