@@ -87,11 +87,11 @@ def run_mode(args, devices, names, mode: str, out_dir: str) -> dict:
         rng = random.Random(0)
         import asyncio as _a
 
-        _a.run(_batch(server.url, [[rng.randrange(1, 1000) for _ in range(16)]], 4))  # warm-up
+        _a.run(_batch(server.url, [[rng.randrange(1, 300) for _ in range(16)]], 4))  # warm-up
         for wl in args.workloads:
             n_in = args.long if wl[1] == "L" else args.short
             n_out = args.long if wl[3] == "L" else args.short
-            prompts = [[rng.randrange(1, 1000) for _ in range(n_in)] for _ in range(args.concurrency)]
+            prompts = [[rng.randrange(1, 300) for _ in range(n_in)] for _ in range(args.concurrency)]
             before = _transfers(log)
             results, wall = _a.run(_batch(server.url, prompts, n_out))
             moves = _transfers(log)[len(before):]
