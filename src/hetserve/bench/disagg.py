@@ -89,8 +89,8 @@ def run_mode(args, devices, names, mode: str, out_dir: str) -> dict:
 
         _a.run(_batch(server.url, [[rng.randrange(1, 300) for _ in range(16)]], 4))  # warm-up
         for wl in args.workloads:
-            n_in = args.long if wl[1] == "L" else args.short
-            n_out = args.long if wl[3] == "L" else args.short
+            n_in = args.long if wl[0] == "L" else args.short
+            n_out = args.long if wl[2] == "L" else args.short
             prompts = [[rng.randrange(1, 300) for _ in range(n_in)] for _ in range(args.concurrency)]
             before = _transfers(log)
             results, wall = _a.run(_batch(server.url, prompts, n_out))
