@@ -95,3 +95,34 @@ def test_a_dead_decode_worker_fails_the_request_and_frees_prefill_pages(split):
     assert wait_pages_back(split, ("cpu0",)) == {"cpu0": 0}
     again = httpx.post(split.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
     assert again.status_code == 503 and "decode worker cpu1 is down" in again.json()["error"]["message"]
+
+
+def test_auto_split_follows_the_profiles(tiny_qwen2, tmp_path):
+    """cpu0's profile prefills fast and decodes slowly, cpu1's the reverse: the router splits."""
+    fast_prefill = {"format": "hetserve-profile-v1", "device": "cpu:threads=1", "prefill": [[1, 10000.0]],
+                    "decode": [[1, 1.0]]}
+    fast_decode = {"format": "hetserve-profile-v1", "device": "cpu:threads=1,max_num_seqs=8", "prefill": [[1, 1.0]],
+                   "decode": [[1, 10000.0]]}
+    paths = []
+    for i, prof in enumerate((fast_prefill, fast_decode)):
+        paths += ["--profile", str(tmp_path / f"p{i}.json")]
+        (tmp_path / f"p{i}.json").write_text(json.dumps(prof))
+    log = tmp_path / "route.jsonl"
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--inference-device", "cpu:threads=1",
+               "--inference-device", "cpu:threads=1,max_num_seqs=8", *paths, "--disaggregate", "auto",
+               "--route-log", str(log))
+    try:
+        prompt = [(7 * k) % 390 + 1 for k in range(40)]
+        with one_thread():
+            expected = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True).generate(
+                [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        lines = routed(log)
+        assert lines[0]["choice"] == "cpu0" and lines[0]["split"]["decode"] == "cpu1"
+        assert lines[0]["split"]["score"] < lines[0]["split"]["best_whole"]
+        assert [x for x in lines if x.get("event") == "kv_transfer"][0]["ok"]
+        assert wait_pages_back(s) == {"cpu0": 0, "cpu1": 0}
+    finally:
+        s.stop()
