@@ -1,5 +1,7 @@
 """Benchmarks under `hetserve bench ...`; they use only public APIs (Python API, CLI, HTTP)."""
 
-from . import kv_layout, latency, matmul, prefix_cache, routing, serve, speculative, throughput, tracing, weight_formats
+from . import (disagg, kv_layout, latency, matmul, prefix_cache, routing, serve, speculative, throughput, tracing,
+               weight_formats)
 
-BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, tracing, routing, speculative, weight_formats)
+BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, tracing, routing, speculative,
+              weight_formats, disagg)

@@ -71,6 +71,10 @@ class EngineCore:
         self.prefix_cache = PrefixCache(self.pool, model_id or model.config.name) if caching else None
         self.flights = FlightCoordinator(config.single_flight if caching else "off")
         self.held: dict[str, Request] = {}  # single-flight followers waiting for their leader
+        # Disaggregation: requests to park after their prefill and first token (prefill_only), and
+        # the parked ones, which keep their pages until they are exported and released (abort).
+        self.prefill_only: set[str] = set()
+        self.parked: dict[str, Request] = {}
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.proposer = DraftProposer(draft_model, num_pages * config.page_size, config.page_size) \
             if draft_model else None
@@ -91,7 +95,9 @@ class EngineCore:
         return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, self.pool.num_blocks,
                                   self.pool.page_size)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, prefill_only: bool = False) -> None:
+        """prefill_only: stop after the prefill and the first token and park the request with its
+        pages (disagg.export_request reads it; abort releases it)."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         vocab = self.model.config.vocab_size
@@ -102,6 +108,8 @@ class EngineCore:
         if self.spec_policy is not None:
             req.spec = self.spec_policy.new_state()
         self.requests[req.request_id] = req
+        if prefill_only:
+            self.prefill_only.add(req.request_id)
         trace.instant("queued", request=req.request_id, prompt_tokens=req.num_prompt_tokens)
         # Only prompts longer than a page have a full page to share.
         if req.num_prompt_tokens <= self.pool.page_size or \
@@ -117,12 +125,29 @@ class EngineCore:
         if req is None:
             return False
         self.held.pop(request_id, None)
+        self.parked.pop(request_id, None)
+        self.prefill_only.discard(request_id)
         completed = status is not RequestStatus.FINISHED_ABORTED
         if completed:
             self.scheduler.publish(req)
         self.scheduler.finish(req, status)
         self._ended(req, completed)
         return True
+
+    def install(self, req: Request) -> None:
+        """Take over a running request whose pages are allocated and filled (disagg.import_request):
+        it decodes from the next step on."""
+        if self.spec_policy is not None:
+            req.spec = self.spec_policy.new_state()
+        self.requests[req.request_id] = req
+        self.scheduler.running.append(req)
+        self.scheduler.publish(req)
+
+    def _park(self, req: Request) -> None:
+        self.prefill_only.discard(req.request_id)
+        self.scheduler.running.remove(req)
+        self.parked[req.request_id] = req
+        trace.instant("parked", request=req.request_id)
 
     def _ended(self, req: Request, completed: bool) -> None:
         if self.flights.role(req.request_id) is not None:
@@ -202,9 +227,12 @@ class EngineCore:
             if status is not None:
                 trace.instant("finished", request=req.request_id, reason=status.value)
                 self.requests.pop(req.request_id, None)
+                self.prefill_only.discard(req.request_id)
                 self.scheduler.publish(req)
                 self.scheduler.finish(req, status)
                 self._ended(req, completed=True)
+            elif req.request_id in self.prefill_only:
+                self._park(req)
             outputs.append(EngineOutput(req.request_id, new_tokens, status is not None,
                                         status.value if status else None, new_logprobs))
         return outputs

@@ -33,7 +33,7 @@ from ..sampling_params import SamplingParams
 from . import ipc
 from .devices import WorkerSpec, parse_devices
 from .metrics import Metrics
-from .router import NoWorker, Profile, Router, WorkerView
+from .router import NoWorker, Profile, Router, WorkerView, choose_split
 
 log = logging.getLogger("hetserve.frontend")
 
@@ -71,6 +71,10 @@ class _Stream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     done: bool = False
+    decode: "WorkerHandle | None" = None  # disaggregated: the worker that decodes after the transfer
+    holder: "WorkerHandle | None" = None  # the prefill worker while it holds the request's pages
+    transfer_start: float = 0.0
+    transfer_bytes: int = 0
 
 
 @dataclass
@@ -85,11 +89,28 @@ class WorkerHandle:
     requests: set[str] = field(default_factory=set)
 
 
+def parse_disaggregate(value: str | None, workers: list[str]) -> tuple[str, str] | str | None:
+    """`prefill=WORKER,decode=WORKER` -> (prefill, decode) worker names; `auto` -> "auto" (the
+    router splits a request when its profiles say the transfer is repaid)."""
+    if not value:
+        return None
+    if value == "auto":
+        return "auto"
+    parts = dict(p.split("=", 1) for p in value.split(",") if "=" in p)
+    if set(parts) != {"prefill", "decode"} or len(value.split(",")) != 2:
+        raise ValueError(f"--disaggregate {value!r}: expected prefill=WORKER,decode=WORKER")
+    for role, name in parts.items():
+        if name not in workers:
+            raise ValueError(f"--disaggregate {role}={name}: no such worker (workers: {', '.join(workers)})")
+    return parts["prefill"], parts["decode"]
+
+
 class Frontend:
     def __init__(self, model: str, engine_kwargs: dict, devices: list[str] | None = None,
                  dtype: str = "float32", max_queued_requests: int = 256, startup_timeout: float = 600.0,
                  route_policy: str | None = None, route_log: str | None = None,
-                 profiles: list[dict] | None = None, measure_profiles: bool = True):
+                 profiles: list[dict] | None = None, measure_profiles: bool = True,
+                 disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
         else counts as fast as the others (the cost policy then balances work only)."""
@@ -113,6 +134,8 @@ class Frontend:
                                  f"(devices: {', '.join(self.devices)})")
             self.profiles[prof.device] = prof
         self.measure_profiles = measure_profiles
+        self.disaggregate = parse_disaggregate(disaggregate, [w.name for w in self.specs])
+        self.transfer_bytes_per_s = transfer_bytes_per_s  # the auto split's estimate of KV transfer speed
         self.router: Router | None = None
         self._route_log = open(route_log, "a", buffering=1) if route_log else None
         self.max_queued_requests = max_queued_requests
@@ -126,6 +149,7 @@ class Frontend:
         # API process from competing with the engine for cores.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Future] = set()
         self._dir = ipc.private_socket_dir()
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
@@ -223,19 +247,31 @@ class Frontend:
         return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size)
 
     def _pick_worker(self, rid: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None,
-                     pin: str | None) -> WorkerHandle:
+                     pin: str | None, auto_split: bool = False) -> tuple[WorkerHandle, str | None]:
+        """The worker that runs (or prefills) the request, and the decode worker when it is split."""
         if pin is not None and pin not in [w.name for w in self.workers]:
             raise ValueError(f"no worker named {pin!r} (workers: {', '.join(w.name for w in self.workers)})")
         try:
             d = self.router.route(rid, prompt_ids, max_tokens, cache_salt, pin)
         except NoWorker as e:
             raise ServiceUnavailable(str(e)) from None
+        choice, split = d.worker, None
+        if auto_split:
+            live = {w.name for w in self.workers if w.alive}
+            split = choose_split([c for c in d.candidates if c.worker in live], len(prompt_ids),
+                                 min(w.ready.kv_bytes_per_token for w in self.workers if w.ready),
+                                 self.transfer_bytes_per_s)
+            if split is not None and split.prefill != choice:  # move the placement to the prefill side
+                placed = self.router.view(choice).requests.pop(rid)
+                self.router.view(split.prefill).requests[rid] = placed
+                choice = split.prefill
         if self._route_log:
             self._route_log.write(json.dumps({
                 "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
-                "max_tokens": max_tokens, "policy": d.policy, "choice": d.worker,
-                "candidates": [c.as_dict() for c in d.candidates]}) + "\n")
-        return next(w for w in self.workers if w.name == d.worker)
+                "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
+                "candidates": [c.as_dict() for c in d.candidates],
+                **({"split": split.as_dict()} if split else {})}) + "\n")
+        return next(w for w in self.workers if w.name == choice), split.decode if split else None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                        request_id: str | None = None, worker: str | None = None) -> AsyncIterator[Delta]:
@@ -247,12 +283,24 @@ class Frontend:
         self.check_capacity()
         params.max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
-        w = self._pick_worker(rid, prompt_ids, params.max_tokens, cache_salt, worker)
+        fixed = self.disaggregate if worker is None and isinstance(self.disaggregate, tuple) else None
+        auto = worker is None and self.disaggregate == "auto"
+        w, decode = self._pick_worker(rid, prompt_ids, params.max_tokens, cache_salt,
+                                      fixed[0] if fixed else worker, auto_split=auto)
+        if fixed:
+            decode = fixed[1]
         st = _Stream(w, RequestState(self.tokenizer, params), asyncio.Queue(), time.monotonic(), len(prompt_ids))
+        if decode is not None and decode != w.name:
+            if not next(x for x in self.workers if x.name == decode).alive:
+                self.router.finished(w.name, rid)
+                raise ServiceUnavailable(f"decode worker {decode} is down")
+            st.decode = next(x for x in self.workers if x.name == decode)
+            st.holder = w
         self.streams[rid] = st
         w.requests.add(rid)
         wire = {k: v for k, v in vars(params).items()}
-        await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt)))
+        await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
+                                                      prefill_only=st.decode is not None)))
         try:
             while True:
                 item = await st.queue.get()
@@ -273,6 +321,16 @@ class Frontend:
         st.done = True
         if st.worker.alive:
             await st.worker.socket.send(ipc.encode(ipc.Abort(rid, stopped)))
+        await self._release(rid, st, stopped=False)
+
+    async def _release(self, rid: str, st: _Stream, stopped: bool) -> None:
+        """Free the prefill worker's pages of a disaggregated request (stopped: the transfer
+        succeeded, so they count as computed and go to its prefix cache)."""
+        p, st.holder = st.holder, None
+        if p is not None:
+            p.requests.discard(rid)
+            if p.alive:
+                await p.socket.send(ipc.encode(ipc.Abort(rid, stopped)))
 
     def _forget(self, rid: str) -> None:
         st = self.streams.pop(rid, None)
@@ -285,6 +343,15 @@ class Frontend:
         if st is not None and not st.done:
             st.done = True
             st.queue.put_nowait(RequestFailed(message))
+            if st.worker.alive:  # e.g. the prefill worker died after the transfer: stop the decode
+                self._spawn(st.worker.socket.send(ipc.encode(ipc.Abort(rid, False))))
+            self._spawn(self._release(rid, st, stopped=False))
+
+    def _spawn(self, awaitable) -> None:
+        """Run a send in the background, holding a reference until it is done."""
+        fut = asyncio.ensure_future(awaitable)
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
 
     # -- worker messages -------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -294,6 +361,12 @@ class Frontend:
                 msg = ipc.decode(raw)
             except ipc.IPCError as e:
                 log.error("bad message from a worker: %s", e)
+                continue
+            if isinstance(msg, ipc.KVTransfer):
+                await self._relay(msg, raw)
+                continue
+            if isinstance(msg, ipc.TransferAck):
+                await self._acked(msg)
                 continue
             if isinstance(msg, ipc.Ready):
                 w = next(w for w in self.workers if w.name == msg.worker)
@@ -342,6 +415,47 @@ class Frontend:
             logprobs=[{int(t): float(lp) for t, lp in entry} for entry in u.logprobs],
             finished=finished, finish_reason=reason, num_prompt_tokens=st.num_prompt_tokens,
             num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens))
+
+    async def _relay(self, msg: ipc.KVTransfer, raw: bytes) -> None:
+        """Forward a prefill worker's KV to the request's decode worker (the same bytes)."""
+        rid = msg.export.request_id
+        st = self.streams.get(rid)
+        p = next((w for w in self.workers if w.name == msg.worker), None)
+        if st is None or st.done or st.decode is None or st.holder is not p:
+            if p is not None and p.alive:  # nobody waits for it: free the pages
+                await p.socket.send(ipc.encode(ipc.Abort(rid, False)))
+            return
+        d = st.decode
+        if not d.alive:
+            self._fail(rid, f"decode worker {d.name} is down; the KV transfer of {rid} was dropped")
+            return
+        st.transfer_start = time.monotonic() - msg.export_s
+        st.worker = d
+        d.requests.add(rid)
+        placed = self.router.view(p.name).requests.pop(rid, None)
+        if placed is not None:
+            self.router.view(d.name).requests[rid] = placed
+        st.transfer_bytes = msg.export.nbytes
+        await d.socket.send(raw)
+
+    async def _acked(self, msg: ipc.TransferAck) -> None:
+        rid = msg.request_id
+        st = self.streams.get(rid)
+        if st is None:
+            return
+        nbytes = st.transfer_bytes
+        p = st.holder
+        seconds = time.monotonic() - st.transfer_start
+        if msg.ok:
+            await self._release(rid, st, stopped=True)
+            self.metrics.kv_transfer(p.name if p else "", msg.worker, seconds, nbytes)
+        else:
+            self._fail(rid, msg.error or "the KV transfer failed")
+        if self._route_log:
+            self._route_log.write(json.dumps({
+                "time": round(time.time(), 4), "request_id": rid, "event": "kv_transfer",
+                "prefill": p.name if p else None, "decode": msg.worker, "ok": msg.ok, "error": msg.error,
+                "bytes": nbytes, "transfer_s": round(seconds, 6), "import_s": round(msg.import_s, 6)}) + "\n")
 
     async def _monitor(self) -> None:
         """A worker that dies: its requests end promptly with an error, /health turns 503."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import msgpack
 
+from ..disagg.transfer import KVExport
+
 
 class IPCError(ValueError):
     pass
@@ -30,6 +32,28 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields
     cache_salt: str | None = None
+    prefill_only: bool = False  # disaggregated: stop after the first token, park, send a KVTransfer
+
+
+@dataclass
+class KVTransfer:
+    """A prefilled request's KV pages and state: prefill worker -> frontend -> decode worker."""
+
+    worker: str  # the prefill worker, which holds the pages until the frontend releases them
+    export: KVExport
+    export_s: float = 0.0  # seconds the prefill worker spent copying the KV out
+
+
+@dataclass
+class TransferAck:
+    """The decode worker installed a KVTransfer (ok) or refused it (error); sent before any
+    update of that request."""
+
+    worker: str
+    request_id: str
+    ok: bool
+    error: str | None = None
+    import_s: float = 0.0
 
 
 @dataclass
@@ -54,6 +78,7 @@ class Ready:
     model_id: str = ""  # prefix-cache root key: the router hashes prompts with it
     max_num_seqs: int = 8
     profile: dict | None = None  # measured at start-up (router.Profile.to_json), unless given
+    kv_bytes_per_token: int = 0  # what a KV transfer moves per computed token
 
 
 @dataclass
@@ -103,8 +128,8 @@ class Outputs:
     state: WorkerState
 
 
-MESSAGES = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, Ready, Outputs)}
-_NESTED = {"updates": RequestUpdate, "state": WorkerState}
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, Ready, Outputs, KVTransfer, TransferAck)}
+_NESTED = {"updates": RequestUpdate, "state": WorkerState, "export": KVExport}
 
 
 def encode(msg) -> bytes:

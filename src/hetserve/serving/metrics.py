@@ -31,6 +31,10 @@ class Metrics:
         self._spec = Gauge("hetserve:spec_decode", "Speculative decoding counters (proposed, accepted, acceptance "
                            "rate, mean accepted length, verification rounds, k_<K>: decode steps that drafted K)",
                            label + ["counter"], registry=r)
+        self._kv_s = Histogram("hetserve:kv_transfer_seconds", "Prefill-to-decode KV transfer time per request "
+                               "(export, relay, install)", ["prefill", "decode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._kv_bytes = Counter("hetserve:kv_transfer_bytes", "KV bytes moved from prefill to decode workers",
+                                 ["prefill", "decode"], registry=r)
         self.requests = Counter("hetserve:requests", "Finished HTTP requests by route and status",
                                 ["route", "status"], registry=r)
 
@@ -45,6 +49,10 @@ class Metrics:
 
     def queue_time(self, worker: str, s: float) -> None:
         self._queue.labels(worker).observe(s)
+
+    def kv_transfer(self, prefill: str, decode: str, seconds: float, nbytes: int) -> None:
+        self._kv_s.labels(prefill, decode).observe(seconds)
+        self._kv_bytes.labels(prefill, decode).inc(nbytes)
 
     def worker_state(self, worker: str, st: ipc.WorkerState) -> None:
         self._running.labels(worker).set(st.running)

@@ -249,3 +249,39 @@ class Router:
 
     def finished(self, worker: str, request_id: str) -> None:
         self.view(worker).requests.pop(request_id, None)
+
+
+# -- prefill/decode disaggregation ------------------------------------------------------------------------
+@dataclass
+class Split:
+    """The router's estimate for prefilling on one worker and decoding on another."""
+
+    prefill: str
+    decode: str
+    transfer_s: float  # estimated: prompt KV bytes / transfer rate
+    score: float  # prefill worker's prefill_s + transfer_s + decode worker's decode_s
+    best_whole: float  # the best score without a split
+
+    def as_dict(self) -> dict:
+        return {"prefill": self.prefill, "decode": self.decode, "transfer_s": round(self.transfer_s, 6),
+                "score": round(self.score, 6), "best_whole": round(self.best_whole, 6)}
+
+
+def choose_split(candidates: list[Candidate], prompt_tokens: int, kv_bytes_per_token: int,
+                 transfer_bytes_per_s: float) -> Split | None:
+    """The best (prefill worker, decode worker) pair when it beats the best single worker, else None.
+    Each candidate's estimate already includes the incoming request and the worker's queue, so a
+    split scores the prefill side's prefill time, the transfer and the decode side's decode time."""
+    if len(candidates) < 2:
+        return None
+    transfer = prompt_tokens * kv_bytes_per_token / transfer_bytes_per_s
+    best_whole = min(c.score for c in candidates)
+    best = None
+    for p in candidates:
+        for d in candidates:
+            if p is d:
+                continue
+            score = p.prefill_s + transfer + d.decode_s
+            if best is None or score < best.score:
+                best = Split(p.worker, d.worker, transfer, score, best_whole)
+    return best if best is not None and best.score < best_whole else None

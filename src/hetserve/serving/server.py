@@ -66,7 +66,8 @@ def run(args) -> int:
             profiles.append(json.load(f))
     frontend = Frontend(args.model, kw, devices=devices, dtype=dtype, max_queued_requests=args.max_queued_requests,
                         route_policy=args.route_policy, route_log=args.route_log, profiles=profiles,
-                        measure_profiles=args.startup_profile)
+                        measure_profiles=args.startup_profile, disaggregate=args.disaggregate,
+                        transfer_bytes_per_s=args.kv_transfer_rate)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -109,5 +110,11 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
                    help="a worker profile from `hetserve profile` (repeatable; matched by --inference-device)")
     r.add_argument("--startup-profile", action=argparse.BooleanOptionalAction, default=True,
                    help="workers without --profile measure a short profile at start-up (a few seconds)")
+    r.add_argument("--disaggregate", default=None, metavar="prefill=WORKER,decode=WORKER",
+                   help="prefill every request on one worker and decode it on another (the KV pages move "
+                        "between them), e.g. prefill=cpu0,decode=cpu1; or auto: the router splits a request "
+                        "when the workers' profiles say the estimated KV transfer is repaid")
+    r.add_argument("--kv-transfer-rate", type=float, default=1e9,
+                   help="bytes/s the auto split assumes a KV transfer moves (default 1e9)")
     add_engine_flags(p, multi_device=True)
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import zmq
 
@@ -58,6 +59,7 @@ def serve(spec: dict) -> int:
     from ..core.engine import RequestRejected
     from ..core.loading import load_engine
     from ..core.request import Request, RequestStatus
+    from ..disagg import NoRoomYet, TransferError, export_request, import_request
     from ..sampling_params import SamplingParams
 
     name = spec["name"]
@@ -83,13 +85,33 @@ def serve(spec: dict) -> int:
     model_id = engine.prefix_cache.model_id if engine.prefix_cache else ""
     outbox.send(ipc.encode(ipc.Ready(name, os.getpid(), loaded.model.config.vocab_size, engine.max_model_len,
                                      engine.pool.num_blocks, engine.pool.page_size, model_id,
-                                     engine.config.max_num_seqs, profile)))
+                                     engine.config.max_num_seqs, profile, loaded.model.kv_bytes_per_token())))
     live: dict[str, Request] = {}
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
 
     def send(updates):
         outbox.send(ipc.encode(ipc.Outputs(name, updates, _state(engine))))
+
+    exported: set[str] = set()  # parked requests whose KV went out, held until the frontend releases them
+    incoming: list = []  # KV transfers waiting for free pages (this worker's running requests free them)
+
+    def install(msg) -> bool:
+        """Try to install a KV transfer; False: no room yet and worth waiting for."""
+        t0 = time.perf_counter()
+        try:
+            req = import_request(engine, msg.export)
+            live[req.request_id] = req
+            ack = ipc.TransferAck(name, msg.export.request_id, True)
+        except NoRoomYet as e:
+            if engine.has_unfinished_requests():
+                return False
+            ack = ipc.TransferAck(name, msg.export.request_id, False, f"KV transfer refused by {name}: {e}")
+        except (TransferError, RequestRejected, ValueError, TypeError) as e:
+            ack = ipc.TransferAck(name, msg.export.request_id, False, f"KV transfer refused by {name}: {e}")
+        ack.import_s = time.perf_counter() - t0
+        outbox.send(ipc.encode(ack))  # before any update of this request
+        return True
 
     parent = os.getppid()
     while True:
@@ -98,7 +120,9 @@ def serve(spec: dict) -> int:
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else 100))
         updates = []
+        changed = False  # a message freed or took pages: report the state even when idle
         while inbox in events:
+            changed = True
             try:
                 msg = ipc.decode(inbox.recv())
             except ipc.IPCError as e:
@@ -114,16 +138,22 @@ def serve(spec: dict) -> int:
                 try:
                     req = Request(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.params),
                                   cache_salt=msg.cache_salt)
-                    engine.add_request(req)
+                    engine.add_request(req, prefill_only=msg.prefill_only)
                     live[req.request_id] = req
                 except (RequestRejected, ValueError, TypeError) as e:
                     updates.append(ipc.RequestUpdate(msg.request_id, [], finished=True, finish_reason="error",
                                                      error=str(e)))
+            elif isinstance(msg, ipc.KVTransfer):
+                incoming.append(msg)
             elif isinstance(msg, ipc.Abort):
                 live.pop(msg.request_id, None)
+                exported.discard(msg.request_id)
+                incoming[:] = [m for m in incoming if m.export.request_id != msg.request_id]
                 engine.abort(msg.request_id, RequestStatus.FINISHED_STOPPED if msg.stopped
                              else RequestStatus.FINISHED_ABORTED)
             events = dict(poller.poll(0))
+        while incoming and install(incoming[0]):  # in arrival order
+            incoming.pop(0)
         if engine.has_unfinished_requests():
             for out in engine.step():
                 req = live.get(out.request_id)
@@ -132,8 +162,13 @@ def serve(spec: dict) -> int:
                 updates.append(_update(req, out, first=req.num_output_tokens == len(out.new_token_ids)))
                 if out.finished:
                     del live[out.request_id]
-        if updates or busy:
+        if updates or busy or changed:
             send(updates)
+        for rid in [r for r in engine.parked if r not in exported]:
+            t0 = time.perf_counter()
+            x = export_request(engine, rid)
+            exported.add(rid)
+            outbox.send(ipc.encode(ipc.KVTransfer(name, x, time.perf_counter() - t0)))
 
 
 def main(argv: list[str] | None = None) -> int:

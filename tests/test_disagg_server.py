@@ -1,0 +1,128 @@
+"""`serve --disaggregate prefill=cpu0,decode=cpu1`: KV pages move between worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from hetserve import LLM, SamplingParams
+from test_routing_server import one_thread, routed, worker_pid
+from test_server import Server
+
+
+@pytest.fixture(scope="module")
+def split(tiny_qwen2, tmp_path_factory):
+    log = tmp_path_factory.mktemp("route") / "route.jsonl"
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--no-startup-profile",
+               "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=128KiB",
+               "--disaggregate", "prefill=cpu0,decode=cpu1", "--route-log", str(log))
+    s.log = log
+    yield s
+    s.stop()
+
+
+def pages_used(server, worker: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
+            if line.startswith(f'hetserve:kv_pages_used{{worker="{worker}"}}'))
+
+
+def wait_pages_back(server, workers=("cpu0", "cpu1"), timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        used = {w: pages_used(server, w) for w in workers}
+        if all(v == 0 for v in used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)
+
+
+def test_split_gives_single_worker_outputs(tiny_qwen2, split):
+    prompts = [[(11 * i + 3 * k) % 390 + 1 for k in range(20 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with one_thread():
+        one = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True)
+        expected = [o.text for o in one.generate(prompts, params, use_tqdm=False)]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def one_request(p):
+                r = await c.post(split.url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()
+            return await asyncio.gather(*[one_request(p) for p in prompts])
+
+    results = asyncio.run(burst())
+    assert [r["choices"][0]["text"] for r in results] == expected
+    moves = [line for line in routed(split.log) if line.get("event") == "kv_transfer"]
+    assert len(moves) == 4 and all(m["ok"] and m["prefill"] == "cpu0" and m["decode"] == "cpu1" for m in moves)
+    assert all(m["bytes"] > 0 and m["transfer_s"] > 0 for m in moves)
+    assert split.metric("hetserve:kv_transfer_bytes_total") == sum(m["bytes"] for m in moves)
+    assert wait_pages_back(split) == {"cpu0": 0, "cpu1": 0}
+
+
+def test_a_transfer_the_decoder_cannot_fit_fails_cleanly(split):
+    # 100 + 200 tokens fit cpu0's pool but not cpu1's (128KiB: 256 tokens of the tiny model)
+    r = httpx.post(split.url + "/v1/completions", json={"prompt": [3] * 100, "max_tokens": 200, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code >= 400 and "KV transfer refused by cpu1" in r.json()["error"]["message"]
+    assert wait_pages_back(split) == {"cpu0": 0, "cpu1": 0}
+    ok = httpx.post(split.url + "/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 3, "ignore_eos": True},
+                    timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_dead_decode_worker_fails_the_request_and_frees_prefill_pages(split):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"prompt": [1, 2, 3] * 10, "max_tokens": 160, "ignore_eos": True}
+            task = asyncio.ensure_future(c.post(split.url + "/v1/completions", json=body))
+            running = 'hetserve:num_requests_running{worker="cpu1"} 1.0'
+            for _ in range(1000):  # kill it once it decodes the transferred request
+                await asyncio.sleep(0.005)
+                if running in (await c.get(split.url + "/metrics")).text:
+                    break
+            os.kill(worker_pid(split, "cpu1"), signal.SIGKILL)
+            return await task
+
+    r = asyncio.run(main())
+    assert r.status_code == 503 and "cpu1 died" in r.json()["error"]["message"]
+    assert wait_pages_back(split, ("cpu0",)) == {"cpu0": 0}
+    again = httpx.post(split.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
+    assert again.status_code == 503 and "decode worker cpu1 is down" in again.json()["error"]["message"]
+
+
+def test_auto_split_follows_the_profiles(tiny_qwen2, tmp_path):
+    """cpu0's profile prefills fast and decodes slowly, cpu1's the reverse: the router splits."""
+    fast_prefill = {"format": "hetserve-profile-v1", "device": "cpu:threads=1", "prefill": [[1, 10000.0]],
+                    "decode": [[1, 1.0]]}
+    fast_decode = {"format": "hetserve-profile-v1", "device": "cpu:threads=1,max_num_seqs=8", "prefill": [[1, 1.0]],
+                   "decode": [[1, 10000.0]]}
+    paths = []
+    for i, prof in enumerate((fast_prefill, fast_decode)):
+        paths += ["--profile", str(tmp_path / f"p{i}.json")]
+        (tmp_path / f"p{i}.json").write_text(json.dumps(prof))
+    log = tmp_path / "route.jsonl"
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--inference-device", "cpu:threads=1",
+               "--inference-device", "cpu:threads=1,max_num_seqs=8", *paths, "--disaggregate", "auto",
+               "--route-log", str(log))
+    try:
+        prompt = [(7 * k) % 390 + 1 for k in range(40)]
+        with one_thread():
+            expected = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True).generate(
+                [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        lines = routed(log)
+        assert lines[0]["choice"] == "cpu0" and lines[0]["split"]["decode"] == "cpu1"
+        assert lines[0]["split"]["score"] < lines[0]["split"]["best_whole"]
+        assert [x for x in lines if x.get("event") == "kv_transfer"][0]["ok"]
+        assert wait_pages_back(s) == {"cpu0": 0, "cpu1": 0}
+    finally:
+        s.stop()
