@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
 from hetserve.core.loading import load_engine
 from hetserve.core.request import Request, RequestStatus
 from hetserve.disagg import KVExport, TransferError, export_request, import_request
 from hetserve.sampling_params import SamplingParams
+from test_routing_server import one_thread
 
 PROMPTS = [[(5 * i + 3 * j) % 390 + 1 for i in range(n)] for j, n in enumerate((40, 7, 33, 16))]
-
-
-@contextlib.contextmanager
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def engine(model, **kw):

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 
 import httpx
 import pytest
 
 from hetserve import LLM, SamplingParams
-from test_routing_server import one_thread, routed, worker_pid
+from test_routing_server import kill_when_running, one_thread, routed
 from test_server import Server
 
 
@@ -82,12 +80,7 @@ def test_a_dead_decode_worker_fails_the_request_and_frees_prefill_pages(split):
         async with httpx.AsyncClient(timeout=60) as c:
             body = {"prompt": [1, 2, 3] * 10, "max_tokens": 160, "ignore_eos": True}
             task = asyncio.ensure_future(c.post(split.url + "/v1/completions", json=body))
-            running = 'hetserve:num_requests_running{worker="cpu1"} 1.0'
-            for _ in range(1000):  # kill it once it decodes the transferred request
-                await asyncio.sleep(0.005)
-                if running in (await c.get(split.url + "/metrics")).text:
-                    break
-            os.kill(worker_pid(split, "cpu1"), signal.SIGKILL)
+            await kill_when_running(c, split, "cpu1")  # once it decodes the transferred request
             return await task
 
     r = asyncio.run(main())

@@ -56,6 +56,16 @@ def profile_file(tiny_qwen2, tmp_path_factory) -> str:
     return str(out)
 
 
+async def kill_when_running(client: httpx.AsyncClient, server: Server, worker: str) -> None:
+    """SIGKILL `worker` mid-request: once /metrics shows it running a request (at most ~5 s)."""
+    running = f'hetserve:num_requests_running{{worker="{worker}"}} 1.0'
+    for _ in range(1000):
+        await asyncio.sleep(0.005)
+        if running in (await client.get(server.url + "/metrics")).text:
+            break
+    os.kill(worker_pid(server, worker), signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def one_thread():
     """Run in-process engines on one torch thread, as `cpu:threads=1` workers do: attention's
@@ -133,12 +143,7 @@ def test_a_dead_worker_leaves_the_other_serving(pair):
         async with httpx.AsyncClient(timeout=60) as c:
             body = {"prompt": [1, 2, 3], "max_tokens": 509, "ignore_eos": True, "worker": "cpu1"}
             task = asyncio.ensure_future(c.post(pair.url + "/v1/completions", json=body))
-            running = 'hetserve:num_requests_running{worker="cpu1"} 1.0'
-            for _ in range(500):  # kill it mid-request: once cpu1 reports the request running
-                await asyncio.sleep(0.005)
-                if running in (await c.get(pair.url + "/metrics")).text:
-                    break
-            os.kill(worker_pid(pair, "cpu1"), signal.SIGKILL)
+            await kill_when_running(c, pair, "cpu1")
             return await task
 
     r = asyncio.run(main())

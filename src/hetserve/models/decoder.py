@@ -60,7 +60,6 @@ class DecoderModel:
         self.device = device
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.load_seconds = 0.0
-        self.weight_format = "fp32"
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
         self.qkv_sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
 
@@ -131,7 +130,6 @@ class DecoderModel:
             if lin.weight.shape[1] % GROUP == 0:
                 lin.qweight = quantize(lin.weight, fmt)
                 added += lin.qweight.nbytes
-        self.weight_format = fmt
         return added
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
