@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hetserve.layers.linear import Linear, MatmulPolicy
-from hetserve.layers.weight_formats import GROUP, WeightFormatUnavailable, kernels, quantize, resolve_weight_format
+from hetserve.layers.weight_formats import (GROUP, WeightFormatUnavailable, kernels, quantize, resolve_weight_format,
+                                            unpack_int4)
 
 try:
     kernels()
@@ -28,8 +29,7 @@ def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
     if qw.fmt == "int8":
         wq = qw.q.view(n, -1, GROUP).double()
     else:
-        g = qw.q.view(n, -1, GROUP // 2)
-        wq = torch.cat([g & 0x0F, g >> 4], dim=-1).double()
+        wq = unpack_int4(qw.q, qw.scale.shape[1]).double()
     y = torch.einsum("mgj,ngj,mg,ng->mn", xq, wq, d, qw.scale.double())
     if qw.fmt == "int4":
         y = y + torch.einsum("mg,ng->mn", xs, qw.min.double())
@@ -48,7 +48,7 @@ def test_quantizer_keeps_the_format(fmt):
     if fmt == "int8":
         assert qw.q.dtype == torch.int8 and qw.q.abs().max() <= 127
     else:
-        assert qw.q.dtype == torch.uint8 and qw.q.shape == (37, 48)
+        assert qw.q.dtype == torch.uint8 and qw.q.shape == (37, 64)  # 3 groups: 2 pairs of 32 bytes
     # Each weight is within half a step of its value (plus fp16 rounding of the scale and min).
     err = (deq - w).abs()
     assert torch.all(err <= 0.5 * step * 1.01 + 1e-3 * w.abs().amax(1, keepdim=True))
@@ -57,10 +57,11 @@ def test_quantizer_keeps_the_format(fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-def test_kernel_computes_the_stated_math(fmt, m):
+@pytest.mark.parametrize("k", [160, 544, 576])  # 5, 17 and 18 groups: 8 at a time plus a remainder
+def test_kernel_computes_the_stated_math(fmt, m, k):
     torch.manual_seed(m)
-    w, b = torch.randn(70, 160), torch.randn(70)  # 70 rows: a remainder after blocks of 4
-    x = torch.randn(m, 160)
+    w, b = torch.randn(70, k), torch.randn(70)  # 70 rows: a remainder after blocks of 4
+    x = torch.randn(m, k)
     qw = quantize(w, fmt)
     for bias in (None, b):
         y = qw.matmul(x, bias)
@@ -72,10 +73,11 @@ def test_kernel_computes_the_stated_math(fmt, m):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_kernel_is_batch_invariant(fmt):
+@pytest.mark.parametrize("k", [128, 544])
+def test_kernel_is_batch_invariant(fmt, k):
     torch.manual_seed(1)
-    qw = quantize(torch.randn(64, 128), fmt)
-    x = torch.randn(11, 128)
+    qw = quantize(torch.randn(64, k), fmt)
+    x = torch.randn(11, k)
     full = qw.matmul(x, None)
     for i in range(11):
         assert torch.equal(qw.matmul(x[i:i + 1], None)[0], full[i])

@@ -1,7 +1,8 @@
 """Weight formats for linear layers: fp32 (exact) and the CPU integer formats int8 and int4.
 
 int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127).
-int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15).
+int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
+      two groups per 32 bytes (low and high nibbles).
 Both run in a small AVX2 extension (csrc/qlinear.cpp) that quantizes each activation row to
 int8 per group of 32 on the fly and uses integer multiply-adds; it is built once per machine
 with torch.utils.cpp_extension into the model cache directory (`make install` builds it).
@@ -93,7 +94,7 @@ class QuantizedWeight:
         n = self.q.shape[0]
         if self.fmt == "int8":
             return (self.q.view(n, -1, GROUP).float() * self.scale.float()[..., None]).view(n, -1)
-        q = _unpack_int4(self.q)
+        q = unpack_int4(self.q, self.scale.shape[1])
         return (q.float() * self.scale.float()[..., None] + self.min.float()[..., None]).view(n, -1)
 
     @property
@@ -101,10 +102,11 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
 
-def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    n = packed.shape[0]
-    g = packed.view(n, -1, GROUP // 2)
-    return torch.cat([g & 0x0F, g >> 4], dim=-1)  # [n, groups, 32] in element order
+def unpack_int4(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """[n, ceil(groups/2) * 32] uint8 -> [n, groups, 32] in element order: each 32 bytes hold
+    one group in their low nibbles and the next in their high nibbles."""
+    pairs = packed.view(packed.shape[0], -1, GROUP)
+    return torch.stack([pairs & 0x0F, pairs >> 4], dim=2).flatten(1, 2)[:, :groups]
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:

@@ -1,27 +1,33 @@
 // Weight-only-stored, integer-dot quantized linear layers for x86 CPUs with AVX2 + FMA.
 //
 // y[M, N] = x[M, K] . dequant(W)[N, K]^T (+ bias). W is stored per output row in groups of
-// 32 input elements:
-//   int8: q int8 [N, K] in -127..127, scale fp16 [N, K/32]               w = q * scale
-//   int4: q uint8 [N, K/2], scale and min fp16 [N, K/32], q in 0..15        w = q * scale + min
-//         byte j of a group holds element j (low nibble) and element j + 16 (high nibble).
+// 32 input elements (G = K / 32 groups per row):
+//   int8: q int8 [N, K] in -127..127, scale fp16 [N, G]                       w = q * scale
+//   int4: q uint8 [N, ceil(G/2) * 32], scale and min fp16 [N, G], q in 0..15   w = q * scale + min
+//         the 32 bytes of pair p hold group 2p in their low nibbles and group 2p + 1 in their
+//         high nibbles (zero when G is odd), element j in byte j: one load, one AND and one
+//         shift give two whole groups in element order.
 // Each row of x is quantized on the fly to int8 per group of 32 (x ~ xq * d, as llama.cpp's
 // Q8_0 activations), so a group's dot product is 32 integer multiply-adds (vpmaddubsw +
-// vpmaddwd) and one fp32 FMA: about a quarter of the instructions of converting every weight
-// to fp32, which made the fp32-activation kernel compute-bound here. The int4 min term uses
-// the exact fp32 sum of x over the group.
-// A block of output rows is read from memory once and reused from L1 for every tile of input
-// rows. Each output is summed in the same order whatever M is: results are batch-invariant.
+// vpmaddwd). The integer sums of 8 groups are then reduced together (a vphaddd tree) into one
+// vector with a lane per group, converted once and scaled by 8 weight scales (one vcvtph2ps)
+// times 8 activation scales: the per-group scalar work (fp16 loads, broadcasts) that made the
+// first version compute-bound is gone. The int4 min term is sum_g min[g] * sum(x over group g),
+// 8 groups per FMA.
+// Each output is summed in the same order whatever M is, so results are batch-invariant.
 // fp16 scales (as in ggml's Q8_0/Q4_1) keep the int4 format at 5 bits per weight, not 6.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kSuper = 8;  // groups reduced together
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -30,108 +36,144 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256i sum_i16_pairs(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
-// Activations quantized per group: xq int8 [M, K], d (scale) and s (exact sum) fp32 [M, K/32].
+inline __m256i madd_ones(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+
+// 8 fp16 values as fp32; past `count` they read as 0 (and nothing past them is read).
+inline __m256 load_h8(const at::Half* p, int64_t count) {
+  if (count == kSuper) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t buf[kSuper] = {0};
+  std::memcpy(buf, p, count * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+
+// Activations quantized per group: xq int8, d (scale) and s (exact sum) fp32. Each row is padded
+// with zero groups to a multiple of 8, so a row's last 8 groups can always be read whole.
 struct QuantX {
+  int64_t G, Gp;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  int64_t K;
-  const int8_t* row(int64_t m, int64_t g) const { return q.data() + m * K + g * kGroup; }
+  const int8_t* row(int64_t m) const { return q.data() + m * Gp * kGroup; }
+  const float* drow(int64_t m) const { return d.data() + m * Gp; }
+  const float* srow(int64_t m) const { return s.data() + m * Gp; }
 };
 
+inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+               v3 = _mm256_loadu_ps(x + 24);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3))));
+  const float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
+  const __m256 iv = _mm256_set1_ps(inv);
+  // Round to nearest even (the default MXCSR mode), as std::nearbyint.
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+  // The packs work per 128-bit lane; the permute puts the 4-byte runs back in element order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = dd;
+  *s = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+}
+
 QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  QuantX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G), K};
-  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+  const int64_t G = K / kGroup, Gp = (G + kSuper - 1) / kSuper * kSuper;
+  QuantX out{G, Gp, std::vector<int8_t>(M * Gp * kGroup, 0), std::vector<float>(M * Gp, 0.f),
+             std::vector<float>(M * Gp, 0.f)};
+  at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* xi = x + i * kGroup;  // rows are contiguous, so group i of the flat array
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kGroup; ++j) { amax = std::max(amax, std::fabs(xi[j])); sum += xi[j]; }
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      for (int j = 0; j < kGroup; ++j) out.q[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(xi[j] * inv));
-      out.d[i] = d;
-      out.s[i] = sum;
+      const int64_t m = i / G, g = i % G;
+      quantize_group(x + i * kGroup, out.q.data() + (m * Gp + g) * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g]);
     }
   });
   return out;
 }
 
-inline float h2f(const at::Half* p, int64_t i) { return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]); }
-
+// The weight formats give the integer dot products of groups 2p and 2p + 1 of output row n
+// with R activation rows, as h[r] = vphaddd(dot(2p), dot(2p + 1)): one weight load serves all R
+// rows. Groups at or past `count` read as zero weights (the activation rows are zero there).
 struct Int8Weights {
-  const int8_t* q; const at::Half* scale; int64_t K;
-  // Integer dot of group g of output row n with 32 int8 activations.
-  inline __m256i dot(int64_t n, int64_t g, __m256i w_abs, __m256i w, const int8_t* xq) const {
-    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    return sum_i16_pairs(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)));
-  }
-  inline __m256i load(int64_t n, int64_t g) const {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + g * kGroup));
-  }
-  static inline __m256i prepare(__m256i w) { return _mm256_sign_epi8(w, w); }  // |w| as u8
-  inline float s(int64_t n, int64_t g) const { return h2f(scale, n * (K / kGroup) + g); }
-  inline float offset(int64_t, int64_t) const { return 0.f; }
-};
-
-struct Int4Weights {
-  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K;
-  inline __m256i load(int64_t n, int64_t g) const {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + g * (kGroup / 2)));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm_and_si128(b, lo4));
-  }
-  static inline __m256i prepare(__m256i w) { return w; }  // already unsigned
-  inline __m256i dot(int64_t, int64_t, __m256i w_u8, __m256i, const int8_t* xq) const {
-    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    return sum_i16_pairs(_mm256_maddubs_epi16(w_u8, x));
-  }
-  inline float s(int64_t n, int64_t g) const { return h2f(scale, n * (K / kGroup) + g); }
-  inline float offset(int64_t n, int64_t g) const { return h2f(min, n * (K / kGroup) + g); }
-};
-
-// R input rows x NB output rows; each weight group is loaded once and used R times.
-template <int R, int NB, class W>
-inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n0, int64_t N, const float* bias, float* y) {
-  const int64_t G = x.K / kGroup;
-  __m256 acc[NB][R];
-  float off[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) { acc[b][r] = _mm256_setzero_ps(); off[b][r] = 0.f; }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int b = 0; b < NB; ++b) {
-      const __m256i wv = w.load(n0 + b, g);
-      const __m256i wp = W::prepare(wv);
-      const float ws = w.s(n0 + b, g), wo = w.offset(n0 + b, g);
+  static constexpr bool kHasMin = false;
+  const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G;
+  template <int R>
+  inline void pair(int64_t n, int64_t g0, int64_t p, int64_t count, const int8_t* const (&x)[R], __m256i (&h)[R]) const {
+    __m256i first[R];
+    for (int64_t i = 0; i < 2; ++i) {
+      const int64_t g = 2 * p + i;
+      const __m256i wv = g < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + (g0 + g) * kGroup))
+                                   : _mm256_setzero_si256();
+      const __m256i w_abs = _mm256_sign_epi8(wv, wv);  // |w| as u8; the sign moves onto x
       for (int r = 0; r < R; ++r) {
-        const int64_t xi = (m0 + r) * G + g;
-        const __m256 dot = _mm256_cvtepi32_ps(w.dot(n0 + b, g, wp, wv, x.row(m0 + r, g)));
-        acc[b][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(ws * x.d[xi]), acc[b][r]);
-        off[b][r] += wo * x.s[xi];
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + g * kGroup));
+        const __m256i d = madd_ones(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, wv)));
+        if (i == 0) first[r] = d; else h[r] = _mm256_hadd_epi32(first[r], d);
       }
     }
   }
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r)
-      y[(m0 + r) * N + n0 + b] = hsum(acc[b][r]) + off[b][r] + (bias ? bias[n0 + b] : 0.f);
+};
+
+struct Int4Weights {
+  static constexpr bool kHasMin = true;
+  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G;
+  template <int R>
+  inline void pair(int64_t n, int64_t g0, int64_t p, int64_t count, const int8_t* const (&x)[R], __m256i (&h)[R]) const {
+    const __m256i bytes = 2 * p < count
+        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ((G + 1) / 2 * kGroup) + (g0 / 2 + p) * kGroup))
+        : _mm256_setzero_si256();  // g0 is a multiple of 8, so pairs never straddle a block of 8
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 2 * p * kGroup));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + (2 * p + 1) * kGroup));
+      h[r] = _mm256_hadd_epi32(madd_ones(_mm256_maddubs_epi16(lo, x0)), madd_ones(_mm256_maddubs_epi16(hi, x1)));
+    }
+  }
+};
+
+// Integer dot products of groups g0 .. g0 + 7 of output row n with R activation rows, as one
+// vector per row with a lane per group (a vphaddd tree over the 8 per-group vectors).
+template <int R, class W>
+inline void sums8(const W& w, int64_t n, int64_t g0, int64_t count, const int8_t* const (&x)[R], __m256i (&out)[R]) {
+  __m256i a[R], b[R], t0[R];
+  w.template pair<R>(n, g0, 0, count, x, a);
+  w.template pair<R>(n, g0, 1, count, x, b);
+  for (int r = 0; r < R; ++r) t0[r] = _mm256_hadd_epi32(a[r], b[r]);
+  w.template pair<R>(n, g0, 2, count, x, a);
+  w.template pair<R>(n, g0, 3, count, x, b);
+  for (int r = 0; r < R; ++r) {
+    const __m256i t1 = _mm256_hadd_epi32(a[r], b[r]);  // t0 holds groups 0-3 by 128-bit half, t1 groups 4-7
+    out[r] = _mm256_add_epi32(_mm256_permute2x128_si256(t0[r], t1, 0x20), _mm256_permute2x128_si256(t0[r], t1, 0x31));
+  }
 }
 
-// One block of 4 output rows against every input row: tiles of 4 input rows (as two 4x2
-// tiles, 8 accumulators each), then the remainder with 4 output rows at once so that even one
-// input row has 4 independent chains.
-template <class W>
-inline void block4(const W& w, const QuantX& x, int64_t M, int64_t n0, int64_t N, const float* bias, float* y) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    tile<4, 2>(w, x, m, n0, N, bias, y);
-    tile<4, 2>(w, x, m, n0 + 2, N, bias, y);
+// Output row n against R input rows. Each output's sum runs in the same order whatever R is.
+template <int R, class W>
+inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, const float* bias, float* y) {
+  const int64_t G = w.G;
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += kSuper) {
+    const int64_t count = std::min(kSuper, G - g0);
+    const int8_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = x.row(m0 + r) + g0 * kGroup;
+    __m256i dots[R];
+    sums8<R>(w, n, g0, count, xr, dots);
+    const __m256 ws = load_h8(w.scale + n * G + g0, count);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(ws, _mm256_loadu_ps(x.drow(m0 + r) + g0)), acc[r]);
+    if constexpr (W::kHasMin) {
+      const __m256 wm = load_h8(w.min + n * G + g0, count);
+      for (int r = 0; r < R; ++r) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.srow(m0 + r) + g0), off[r]);
+    }
   }
-  switch (M - m) {
-    case 3: tile<3, 2>(w, x, m, n0, N, bias, y); tile<3, 2>(w, x, m, n0 + 2, N, bias, y); break;
-    case 2: tile<2, 4>(w, x, m, n0, N, bias, y); break;
-    case 1: tile<1, 4>(w, x, m, n0, N, bias, y); break;
-    default: break;
-  }
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + hsum(off[r]) + (bias ? bias[n] : 0.f);
 }
 
 template <class W>
@@ -141,12 +183,20 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   auto y = torch::empty({M, N}, x.options());
   const float* bp = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / 4;
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block4(w, xq, M, b * 4, N, bp, yp);
+  // Output rows in order (one sequential stream of weights); a row is read from memory once and
+  // stays in L1 for every tile of up to 4 input rows.
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile<4>(w, xq, m, n, N, bp, yp);
+      switch (M - m) {
+        case 3: tile<3>(w, xq, m, n, N, bp, yp); break;
+        case 2: tile<2>(w, xq, m, n, N, bp, yp); break;
+        case 1: tile<1>(w, xq, m, n, N, bp, yp); break;
+        default: break;
+      }
+    }
   });
-  for (int64_t n = blocks * 4; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) tile<1, 1>(w, xq, m, n, N, bp, yp);
   return y;
 }
 
@@ -169,18 +219,24 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t N = q.size(0), K = q.size(1);
   check(x, K, scale, N);
   check_bias(bias, N);
-  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, x, N, bias);
+  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / kGroup}, x, N, bias);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(), "q must be contiguous uint8 [N, K/2]");
-  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
+              "q must be contiguous uint8 [N, ceil(K/64) * 32]");
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous 2-D fp32 CPU tensor");
+  const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
+  // q's width fixes G up to one (pairs of groups); the scale's size fixes it exactly.
+  TORCH_CHECK(K % kGroup == 0 && q.size(1) == (G + 1) / 2 * kGroup && scale.numel() == N * G,
+              "input width must equal the weight's and be a multiple of 32");
   check(x, K, scale, N);
   TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
               "min must be contiguous fp16 [N, K/32]");
   check_bias(bias, N);
-  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K}, x, N, bias);
+  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, G}, x, N,
+             bias);
 }
 
 // Quantizers: one pass over the fp32 weights. Values are rounded against the fp16 scale (and
@@ -217,26 +273,28 @@ std::vector<torch::Tensor> quantize_int8(torch::Tensor w) {
 
 std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
   check_weight(w);
-  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup;
-  auto q = torch::empty({N, K / 2}, w.options().dtype(torch::kByte));
+  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup, row_bytes = (G + 1) / 2 * kGroup;
+  auto q = torch::zeros({N, row_bytes}, w.options().dtype(torch::kByte));  // an odd G leaves high nibbles 0
   auto scale = torch::empty({N, G}, w.options().dtype(torch::kHalf));
   auto min = torch::empty({N, G}, w.options().dtype(torch::kHalf));
   const float* wp = w.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   uint16_t* sp = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
   uint16_t* mp = reinterpret_cast<uint16_t*>(min.data_ptr<at::Half>());
-  at::parallel_for(0, N * G, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  // By rows: the two groups of a pair share bytes, so one thread writes a whole row.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0 * G; i < n1 * G; ++i) {
       const float* g = wp + i * kGroup;
       float lo = g[0], hi = g[0];
       for (int j = 1; j < kGroup; ++j) { lo = std::min(lo, g[j]); hi = std::max(hi, g[j]); }
       mp[i] = f2h(lo);
       sp[i] = f2h((hi - lo) / 15.f);
       const float m = _cvtsh_ss(mp[i]), d = _cvtsh_ss(sp[i]), inv = d > 0.f ? 1.f / d : 0.f;
-      uint8_t v[kGroup];
+      const int64_t n = i / G, gi = i % G, shift = (gi % 2) * 4;
+      uint8_t* out = qp + n * row_bytes + gi / 2 * kGroup;  // group gi's nibbles in pair gi / 2
       for (int j = 0; j < kGroup; ++j)
-        v[j] = static_cast<uint8_t>(std::max(0.f, std::min(15.f, std::nearbyint((g[j] - m) * inv))));
-      for (int j = 0; j < kGroup / 2; ++j) qp[i * (kGroup / 2) + j] = v[j] | (v[j + kGroup / 2] << 4);
+        out[j] |= static_cast<uint8_t>(
+            static_cast<uint8_t>(std::max(0.f, std::min(15.f, std::nearbyint((g[j] - m) * inv)))) << shift);
     }
   });
   return {q, scale, min};
@@ -247,6 +305,6 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32)");
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K], scale fp16 [N, K/32])");
-  m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, K/2], scale, min fp16 [N, K/32])");
+  m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/64) * 32], scale, min fp16 [N, K/32])");
   m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)");
 }
