@@ -6,7 +6,7 @@ import pytest
 
 from hetserve.core.loading import load_engine
 from hetserve.core.request import Request, RequestStatus
-from hetserve.disagg import KVExport, TransferError, export_request, import_request
+from hetserve.disagg import KVExport, NoRoomYet, TransferError, export_request, import_request
 from hetserve.sampling_params import SamplingParams
 from test_routing_server import one_thread
 
@@ -74,8 +74,9 @@ def test_seeded_sampling_continues_the_stream(tiny_qwen2):
     assert out == ref
 
 
-def test_receiver_that_cannot_fit_fails_cleanly(tiny_qwen2):
+def test_receiver_without_room_refuses_untouched_then_takes_the_transfer_once_pages_free(tiny_qwen2):
     with one_thread():
+        ref = run_single(engine(tiny_qwen2), PROMPTS[:1], lambda: params(4))[0]
         a = engine(tiny_qwen2)
         small = engine(tiny_qwen2, kv_cache_memory="64KiB")
         ps = small.pool.page_size
@@ -83,17 +84,21 @@ def test_receiver_that_cannot_fit_fails_cleanly(tiny_qwen2):
         a.add_request(r, prefill_only=True)
         a.run_until_done()
         x = export_request(a, "big")
-        # fill the receiver so the transfer cannot fit
+        # fill the receiver so the transfer cannot fit now
         hog = Request("hog", [1] * (small.pool.num_blocks * ps - 8), params(4))
         small.add_request(hog)
         while hog.num_computed_tokens < hog.num_prompt_tokens:
             small.step()
         free = small.pool.num_free
-        with pytest.raises(TransferError, match="needs .* pages"):
+        with pytest.raises(NoRoomYet, match="needs .* pages"):  # retryable: a worker waits, then retries
             import_request(small, x)
         assert small.pool.num_free == free and "big" not in small.requests
-        a.abort("big")
-        assert a.pool.num_free == a.pool.num_blocks
+        small.run_until_done()  # the hog finishes and frees its pages
+        moved = import_request(small, x)
+        a.abort("big", RequestStatus.FINISHED_STOPPED)
+        small.run_until_done()
+    assert moved.output_token_ids == ref
+    assert a.pool.num_free == a.pool.num_blocks and small.pool.num_free == small.pool.num_blocks
 
 
 def test_bad_payloads_are_refused(tiny_qwen2):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
 from hetserve import LLM, SamplingParams
-from test_routing_server import kill_when_running, one_thread, routed
+from test_routing_server import kill_when_running, one_thread, routed, worker_pid
 from test_server import Server
 
 
@@ -88,6 +90,49 @@ def test_a_dead_decode_worker_fails_the_request_and_frees_prefill_pages(split):
     assert wait_pages_back(split, ("cpu0",)) == {"cpu0": 0}
     again = httpx.post(split.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
     assert again.status_code == 503 and "decode worker cpu1 is down" in again.json()["error"]["message"]
+
+
+def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests_cleanly(tiny_qwen2):
+    """cpu1 (256 tokens of KV) decodes a 200-token request and is frozen; a second request is
+    prefilled on cpu0 and its KV relayed to cpu1, never acknowledged; cpu1 dies. Both requests
+    fail with the worker named, and cpu0's pages (held until an acknowledgement) come back."""
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--no-startup-profile", "--inference-device",
+               "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=128KiB",
+               "--disaggregate", "prefill=cpu0,decode=cpu1")
+
+    async def wait_for(c, line):
+        for _ in range(1000):
+            if line in (await c.get(s.url + "/metrics")).text:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"never saw {line!r}")
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            def post(prompt, n):
+                return asyncio.ensure_future(c.post(s.url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": n, "ignore_eos": True}))
+            hog = post([5] * 200, 50)
+            await wait_for(c, 'hetserve:num_requests_running{worker="cpu1"} 1.0')
+            pid = worker_pid(s, "cpu1")
+            os.kill(pid, signal.SIGSTOP)
+            second = post([6] * 100, 20)
+            for _ in range(1000):  # prefilled on cpu0, whose pages stay held until cpu1 acknowledges
+                await asyncio.sleep(0.005)
+                if pages_used(s, "cpu0") > 0:
+                    break
+            await asyncio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            return await hog, await second
+
+    try:
+        hog, second = asyncio.run(main())
+        for r in (hog, second):
+            assert r.status_code == 503, r.text
+            assert "cpu1" in r.json()["error"]["message"]
+        assert wait_pages_back(s, ("cpu0",)) == {"cpu0": 0}
+    finally:
+        s.stop()
 
 
 def test_auto_split_follows_the_profiles(tiny_qwen2, tmp_path):
