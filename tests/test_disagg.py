@@ -101,6 +101,23 @@ def test_receiver_without_room_refuses_untouched_then_takes_the_transfer_once_pa
     assert a.pool.num_free == a.pool.num_blocks and small.pool.num_free == small.pool.num_blocks
 
 
+def test_receiver_keeps_its_max_num_seqs(tiny_qwen2):
+    with one_thread():
+        a, b = engine(tiny_qwen2), engine(tiny_qwen2, max_num_seqs=1)
+        for rid, ids in (("x", PROMPTS[0]), ("y", PROMPTS[1])):
+            a.add_request(Request(rid, ids, params(4)), prefill_only=True)
+        a.run_until_done()
+        import_request(b, export_request(a, "x"))
+        with pytest.raises(NoRoomYet, match="max_num_seqs=1"):
+            import_request(b, export_request(a, "y"))
+        b.run_until_done()
+        assert import_request(b, export_request(a, "y")).request_id == "y"
+        b.run_until_done()
+        for rid in ("x", "y"):
+            a.abort(rid, RequestStatus.FINISHED_STOPPED)
+    assert b.pool.num_free == b.pool.num_blocks and a.pool.num_free == a.pool.num_blocks
+
+
 def test_bad_payloads_are_refused(tiny_qwen2):
     with one_thread():
         a, b = engine(tiny_qwen2), engine(tiny_qwen2)

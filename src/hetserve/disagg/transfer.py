@@ -9,8 +9,9 @@ pickled: every field is a plain value or bytes.
 
 `import_request` checks the payload against the receiver's model (layers, KV heads, head
 size, byte counts), converts the dtype where the workers differ, allocates pages in the
-receiver's pool (NoRoomYet when they are not free now, TransferError when the payload is
-wrong or the request can never fit; the receiver's pool is untouched either way),
+receiver's pool (NoRoomYet when they are not free now or max_num_seqs requests run there,
+TransferError when the payload is wrong or the request can never fit; the receiver's pool is
+untouched either way),
 copies the KV in, publishes the full pages to its prefix cache and hands the request to the
 scheduler as a running, decoding request. The exporter frees its pages with
 `engine.abort(request_id, FINISHED_STOPPED)` once the receiver has acknowledged (that also
@@ -156,6 +157,10 @@ def import_request(engine, x: KVExport, now: float | None = None) -> Request:
             raise TransferError("page hashes differ from this worker's: the workers serve different models "
                                 "(or cache salts)")
         req.page_hashes = []  # recomputed lazily; the check above is all they are for
+    running = len(engine.scheduler.running)
+    if running >= engine.config.max_num_seqs:  # the receiver's batch cap holds for imports too
+        raise NoRoomYet(f"the KV transfer of {x.request_id!r} waits: {running} requests running here "
+                        f"(max_num_seqs={engine.config.max_num_seqs})")
     need = engine.pool.pages_for(n + 1)  # the computed tokens and the next token's KV
     if need > engine.pool.num_free:
         raise NoRoomYet(f"the KV transfer of {x.request_id!r} needs {need} pages of {ps} tokens, "
