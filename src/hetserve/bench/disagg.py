@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from . import plots
 from .routing import _Server, _stream  # the same server handling and stream client
 
 WORKLOADS = ("LILO", "LISO", "SILO", "SISO")
@@ -128,36 +129,75 @@ def _default_devices() -> list[str]:
     return ["cpu:threads=1,weight_format=fp32", "cpu:threads=1,weight_format=int8"]
 
 
+MODES = ("PD@A", "P@A/D@B", "PD@B")
+
+
+def table(results: dict, workloads: list[str]) -> str:
+    cols = ("prefill_s", "transfer_s", "decode_s", "total_s", "tok_s", "ttft_median_s", "ttft_p95_s")
+    lines = [f"{'mode':9s} {'load':5s} " + " ".join(f"{c:>13s}" for c in cols)]
+    for m in MODES:
+        for wl in workloads:
+            r = results[m][wl]
+            lines.append(f"{m:9s} {wl:5s} " + " ".join(f"{r[c]:13.3f}" for c in cols))
+    lines.append("")
+    lines.append("total time relative to PD@A (lower is better)")
+    lines.append(f"{'load':5s} " + " ".join(f"{m:>9s}" for m in MODES))
+    for wl in workloads:
+        base = results["PD@A"][wl]["total_s"]
+        lines.append(f"{wl:5s} " + " ".join(f"{results[m][wl]['total_s'] / base:9.2f}" for m in MODES))
+    return "\n".join(lines)
+
+
+def plot(saved: dict, path: str) -> bool:
+    """Total time, total tok/s and TTFT (median, p95 whisker) per workload and mode."""
+    plt = plots.pyplot()
+    if plt is None:
+        return False
+    results, workloads = saved["results"], list(saved["results"]["PD@A"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, label in zip(axes, ("total_s", "tok_s", "ttft_median_s"),
+                              ("total time of the batch (s)", "total tok/s (prompt + output)",
+                               "TTFT median, p95 whisker (s)")):
+        series = {m: [results[m][wl][key] for wl in workloads] for m in MODES}
+        ups = {m: [results[m][wl]["ttft_p95_s"] for wl in workloads] for m in MODES} if key == "ttft_median_s" else None
+        plots.grouped_bars(ax, workloads, series, label, ups)
+    axes[0].legend()
+    names, devices = saved["workers"], saved["devices"]
+    fig.suptitle(f"disaggregation: A = {names[0]} ({devices[0]}), B = {names[1]} ({devices[1]}), "
+                 f"{saved['concurrency']} concurrent requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(args) -> int:
+    if args.from_json:  # redraw the table and plot of a saved run
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print(table(saved["results"], list(saved["results"]["PD@A"])))
+        out = os.path.join(os.path.dirname(args.from_json) or ".", "disagg.png")
+        if plot(saved, out):
+            print(f"plot: {out}")
+        return 0
     devices = args.inference_device or _default_devices()
     if len(devices) != 2:
         print("error: bench disagg needs exactly two --inference-device values (A, then B)", file=sys.stderr)
         return 2
     names = _names(devices)
     os.makedirs(args.out, exist_ok=True)
-    modes = ("PD@A", "P@A/D@B", "PD@B")
     print(f"bench disagg: A = {names[0]} ({devices[0]}), B = {names[1]} ({devices[1]}); "
           f"{args.concurrency} concurrent requests; long = {args.long}, short = {args.short} tokens",
           file=sys.stderr, flush=True)
-    results = {m: run_mode(args, devices, names, m, args.out) for m in modes}
-    cols = ("prefill_s", "transfer_s", "decode_s", "total_s", "tok_s", "ttft_median_s", "ttft_p95_s")
-    lines = [f"{'mode':9s} {'load':5s} " + " ".join(f"{c:>13s}" for c in cols)]
-    for m in modes:
-        for wl in args.workloads:
-            r = results[m][wl]
-            lines.append(f"{m:9s} {wl:5s} " + " ".join(f"{r[c]:13.3f}" for c in cols))
-    lines.append("")
-    lines.append("total time relative to PD@A (lower is better)")
-    lines.append(f"{'load':5s} " + " ".join(f"{m:>9s}" for m in modes))
-    for wl in args.workloads:
-        base = results["PD@A"][wl]["total_s"]
-        lines.append(f"{wl:5s} " + " ".join(f"{results[m][wl]['total_s'] / base:9.2f}" for m in modes))
-    table = "\n".join(lines)
-    print(table)
+    results = {m: run_mode(args, devices, names, m, args.out) for m in MODES}
+    print(table(results, args.workloads))
     cmd = "hetserve bench disagg " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "hetserve bench disagg"
+    saved = {"devices": devices, "workers": names, "concurrency": args.concurrency, "long": args.long,
+             "short": args.short, "results": results, "command": cmd}
     with open(os.path.join(args.out, "disagg.json"), "w") as f:
-        json.dump({"devices": devices, "workers": names, "concurrency": args.concurrency, "long": args.long,
-                   "short": args.short, "results": results, "command": cmd}, f, indent=1)
+        json.dump(saved, f, indent=1)
+    if plot(saved, os.path.join(args.out, "disagg.png")):
+        print(f"plot: {os.path.join(args.out, 'disagg.png')}")
     print(f"\nreproduce: {cmd}")
     return 0
 
@@ -175,5 +215,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--out", default="bench-disagg", help="directory for route logs and disagg.json")
+    p.add_argument("--out", default="bench-disagg", help="directory for route logs, disagg.json and disagg.png")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="print the table and draw the plot of a saved disagg.json; runs nothing")
     p.set_defaults(func=main)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from . import plots
 from .routing_sim import SimRequest, simulate, summary
 
 METRICS = ("completion_s", "output_tok_s", "ttft_median_s", "ttft_p95_s", "e2e_median_s", "e2e_p95_s")
@@ -233,26 +234,17 @@ def _table(rows: list[tuple[int, str, dict]], baseline: str) -> str:
 
 
 def _plot(rows, path: str, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: pip install 'hetserve[plots]' for plots)", file=sys.stderr)
+    plt = plots.pyplot()
+    if plt is None:
         return False
     bursts = sorted({n for n, _, _ in rows})
     policies = list(dict.fromkeys(p for _, p, _ in rows))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    width = 0.8 / len(policies)
     for ax, key, label in zip(axes, ("completion_s", "output_tok_s", "e2e_p95_s"),
                               ("whole-burst completion (s)", "output throughput (tok/s)", "E2E p95 (s)")):
-        for j, policy in enumerate(policies):
-            vals = [next((m[key] for n, p, m in rows if n == b and p == policy), 0) for b in bursts]
-            ax.bar([i + j * width for i in range(len(bursts))], vals, width, label=policy)
-        ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(bursts))])
-        ax.set_xticklabels([f"{b} requests" for b in bursts])
-        ax.set_title(label)
+        series = {policy: [next((m[key] for n, p, m in rows if n == b and p == policy), 0) for b in bursts]
+                  for policy in policies}
+        plots.grouped_bars(ax, [f"{b} requests" for b in bursts], series, label)
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()

@@ -1,0 +1,33 @@
+"""Bar charts for the benchmarks (matplotlib is the optional `plots` extra)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a hint) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: pip install 'hetserve[plots]' for plots)", file=sys.stderr)
+        return None
+    return plt
+
+
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: str,
+                 errors_up: dict[str, list[float]] | None = None) -> None:
+    """One cluster of bars per group, one bar per series; errors_up: optional upper whiskers."""
+    width = 0.8 / max(len(series), 1)
+    for j, (name, values) in enumerate(series.items()):
+        xs = [i + j * width for i in range(len(groups))]
+        yerr = None
+        if errors_up is not None:
+            yerr = [[0] * len(values), [max(u - v, 0) for u, v in zip(errors_up[name], values)]]
+        ax.bar(xs, values, width, label=name, yerr=yerr, capsize=3 if yerr else 0)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.set_title(title)
