@@ -22,6 +22,8 @@ def test_table_gives_each_mode_relative_to_pd_on_a():
     ratios = text.split("relative to PD@A")[1].splitlines()
     assert ratios[2].split() == ["LILO", "1.00", "0.50", "0.80"]
     assert ratios[3].split() == ["SISO", "1.00", "1.00", "0.50"]
+    speedup = text.split("speed-up of the split")[1].splitlines()
+    assert speedup[2].split() == ["LILO", "1.60"] and speedup[3].split() == ["SISO", "0.50"]
 
 
 def test_from_json_prints_the_table_and_draws_the_plot(tmp_path, capsys):

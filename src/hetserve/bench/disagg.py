@@ -145,6 +145,11 @@ def table(results: dict, workloads: list[str]) -> str:
     for wl in workloads:
         base = results["PD@A"][wl]["total_s"]
         lines.append(f"{wl:5s} " + " ".join(f"{results[m][wl]['total_s'] / base:9.2f}" for m in MODES))
+    lines.append("")
+    lines.append("speed-up of the split over PD on the decode worker (PD@B total / P@A/D@B total; the")
+    lines.append("study's P-GPU/D-CPU vs PD-CPU: LILO 1.61, LISO 1.43, SILO 0.92, SISO 0.75)")
+    for wl in workloads:
+        lines.append(f"{wl:5s} {results['PD@B'][wl]['total_s'] / results['P@A/D@B'][wl]['total_s']:9.2f}")
     return "\n".join(lines)
 
 
