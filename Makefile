@@ -10,7 +10,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(PY) -m hetserve.layers.weight_formats
+	$(PY) -m hetserve.layers.native
 	touch $@
 
 install: $(VENV)/.installed

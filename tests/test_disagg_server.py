@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from hetserve import LLM, SamplingParams
-from test_routing_server import kill_when_running, one_thread, routed, worker_pid
+from test_routing_server import one_thread, routed
+from test_server import kill_when_running, worker_pid
 from test_server import Server
 
 

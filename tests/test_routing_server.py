@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -15,7 +13,7 @@ import torch
 import pytest
 
 from hetserve import LLM, SamplingParams
-from test_server import Server
+from test_server import Server, kill_when_running
 
 PREFIX = [(7 * i) % 390 + 1 for i in range(96)]  # 6 pages of 16
 
@@ -32,15 +30,6 @@ def routed(log_path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def worker_pid(server: Server, name: str) -> int:
-    for pid in server.worker_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            spec = json.loads(f.read().split(b"\0")[3])
-        if spec["name"] == name:
-            return pid
-    raise LookupError(name)
-
-
 @pytest.fixture(scope="module")
 def profile_file(tiny_qwen2, tmp_path_factory) -> str:
     """`hetserve profile` on the tiny model, used by the servers below instead of start-up profiles."""
@@ -54,16 +43,6 @@ def profile_file(tiny_qwen2, tmp_path_factory) -> str:
     assert [n for n, _ in prof["prefill"]] == [64, 128, 256] and [b for b, _ in prof["decode"]] == [1, 2, 4, 8]
     assert all(rate > 0 for _, rate in prof["prefill"] + prof["decode"])
     return str(out)
-
-
-async def kill_when_running(client: httpx.AsyncClient, server: Server, worker: str) -> None:
-    """SIGKILL `worker` mid-request: once /metrics shows it running a request (at most ~5 s)."""
-    running = f'hetserve:num_requests_running{{worker="{worker}"}} 1.0'
-    for _ in range(1000):
-        await asyncio.sleep(0.005)
-        if running in (await client.get(server.url + "/metrics")).text:
-            break
-    os.kill(worker_pid(server, worker), signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -286,6 +286,25 @@ def test_sigterm_drains_and_exits_cleanly(tiny_qwen2):
     assert all(not os.path.exists(f"/proc/{p}") for p in workers), "worker process left behind"
 
 
+def worker_pid(server: Server, name: str) -> int:
+    for pid in server.worker_pids():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            spec = json.loads(f.read().split(b"\0")[3])
+        if spec["name"] == name:
+            return pid
+    raise LookupError(name)
+
+
+async def kill_when_running(client: httpx.AsyncClient, server: Server, worker: str) -> None:
+    """SIGKILL `worker` mid-request: once /metrics shows it running a request (at most ~5 s)."""
+    running = f'hetserve:num_requests_running{{worker="{worker}"}} 1.0'
+    for _ in range(1000):
+        await asyncio.sleep(0.005)
+        if running in (await client.get(server.url + "/metrics")).text:
+            break
+    os.kill(worker_pid(server, worker), signal.SIGKILL)
+
+
 def test_worker_death_fails_requests_and_health(tiny_qwen2):
     s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB")
     try:
@@ -293,9 +312,7 @@ def test_worker_death_fails_requests_and_health(tiny_qwen2):
             async with httpx.AsyncClient(timeout=60) as c:
                 body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
                 task = asyncio.ensure_future(c.post(s.url + "/v1/completions", json=body))
-                await asyncio.sleep(0.5)
-                for p in s.worker_pids():
-                    os.kill(p, signal.SIGKILL)
+                await kill_when_running(c, s, "cpu")  # a lone worker is named by its kind
                 t = time.monotonic()
                 r = await task
                 return r, time.monotonic() - t

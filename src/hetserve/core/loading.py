@@ -54,9 +54,10 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)
-    decoder.quantize_weights(config.weight_format)
-    if draft is not None:
-        draft.quantize_weights(config.weight_format)
+    for model in (decoder, draft):
+        if model is not None:
+            model.quantize_weights(config.weight_format)
+            model.use_fused_ops()
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.

@@ -47,6 +47,29 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each new token
     seqs: list[SeqAttention]
     per_query: bool = False
+    page_size: int = 0
+    tables: list[list[int]] | None = None  # block table of each sequence
+    _one_query: tuple | None = None
+
+    def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqAttention]]:
+        """For the native CPU kernel: (rows, context lengths, block tables [rows, pages]) of every
+        row that is one query over its own context (decode rows; every row in per-query mode),
+        and the sequences left to SDPA. Built once per step, on the first layer's call."""
+        if self._one_query is None:
+            rows, lens, tabs, rest = [], [], [], []
+            for s, table in zip(self.seqs, self.tables):
+                if s.q_len == 1 or self.per_query:
+                    first = s.ctx_len - s.q_len
+                    rows += range(s.q_start, s.q_start + s.q_len)
+                    lens += range(first + 1, s.ctx_len + 1)
+                    tabs += [table] * s.q_len
+                else:
+                    rest.append(s)
+            width = max((-(-n // self.page_size) for n in lens), default=0)
+            padded = [t[:width] + [0] * (width - len(t[:width])) for t in tabs]
+            self._one_query = (torch.tensor(rows, dtype=torch.long), torch.tensor(lens, dtype=torch.long),
+                               torch.tensor(padded, dtype=torch.long).view(len(rows), width), rest)
+        return self._one_query
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], page_size: int,
@@ -69,7 +92,7 @@ class AttentionMetadata:
             slots.append(seq_slots)
             seqs.append(SeqAttention(q_start, q, n, kv_start, kv_index, mask))
             q_start += q
-        return cls(torch.cat(slots).to(device), seqs, per_query)
+        return cls(torch.cat(slots).to(device), seqs, per_query, page_size, block_tables)
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float) -> torch.Tensor:
@@ -80,19 +103,30 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; returns [T, heads * d]."""
-    kv_heads = k.shape[1]
-    g = q.shape[1] // kv_heads
     with trace.span("kv-write"):
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return attend_cached(q, k_cache, v_cache, meta, scale)
+
+
+def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, native=None) -> torch.Tensor:
+    """Attention of q [T, heads, d] over contexts already in the cache; returns [T, heads * d].
+    native: the native CPU ops (fp32 CPU caches), which take every one-query row."""
     with trace.span("attention", seqs=len(meta.seqs)):
-        return _attend(q, k_cache, v_cache, meta, scale, kv_heads, g)
+        return _attend(q, k_cache, v_cache, meta, scale, k_cache.shape[1], q.shape[1] // k_cache.shape[1], native)
 
 
-def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads: int, g: int) -> torch.Tensor:
+def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads: int, g: int,
+            native=None) -> torch.Tensor:
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
-    for s in meta.seqs:
+    seqs = meta.seqs
+    if native is not None and d % 8 == 0 and meta.tables is not None:
+        rows, lens, tables, seqs = meta.one_query_rows()
+        if len(rows):
+            native.attend_rows(q.contiguous(), k_cache, v_cache, out, rows, lens, tables, meta.page_size, scale)
+    for s in seqs:
         if s.kv_index is None:
             keys, values = k_cache[s.kv_start:s.kv_start + s.ctx_len], v_cache[s.kv_start:s.kv_start + s.ctx_len]
         else:

@@ -3,19 +3,18 @@
 int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
       two groups per 32 bytes (low and high nibbles).
-Both run in a small AVX2 extension (csrc/qlinear.cpp) that quantizes each activation row to
-int8 per group of 32 on the fly and uses integer multiply-adds; it is built once per machine
-with torch.utils.cpp_extension into the model cache directory (`make install` builds it).
+Both run in the package's AVX2 extension (native.py, csrc/qlinear.cpp), which quantizes each
+activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from .native import NativeUnavailable, kernels
 
 log = logging.getLogger(__name__)
 
@@ -26,35 +25,7 @@ FORMATS = ("auto", "fp32", "int8", "int4")
 AUTO_CPU_FORMAT = "int8"
 
 
-class WeightFormatUnavailable(RuntimeError):
-    pass
-
-
-def _cpu_has_avx2() -> bool:
-    return str(torch.backends.cpu.get_cpu_capability()).upper().startswith(("AVX2", "AVX512"))
-
-
-@functools.cache
-def kernels():
-    """The compiled extension; built on first use (about a minute), then loaded from the cache."""
-    if not _cpu_has_avx2():
-        raise WeightFormatUnavailable(f"int8/int4 kernels need AVX2; this CPU reports "
-                                      f"{torch.backends.cpu.get_cpu_capability()}")
-    from torch.utils import cpp_extension
-
-    from ..models.registry import cache_dir
-
-    build = cache_dir() / "extensions" / f"torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).with_name("csrc") / "qlinear.cpp"
-    try:
-        return cpp_extension.load("hetserve_qlinear", [str(source)], build_directory=str(build),
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers: say so in one line
-        raise WeightFormatUnavailable(f"could not build the int8/int4 CPU kernels ({type(e).__name__}: "
-                                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
-                                      f"a C++ compiler is needed, or use --weight-format fp32") from None
+WeightFormatUnavailable = NativeUnavailable  # the int8/int4 kernels cannot be built or run here
 
 
 def resolve_weight_format(fmt: str, device: str | torch.device) -> str:
@@ -73,7 +44,7 @@ def resolve_weight_format(fmt: str, device: str | torch.device) -> str:
         if fmt == "auto":
             log.warning("%s; using fp32 weights", e)
             return "fp32"
-        raise
+        raise WeightFormatUnavailable(f"--weight-format {fmt}: {e}; use --weight-format fp32") from None
     return AUTO_CPU_FORMAT if fmt == "auto" else fmt
 
 
@@ -119,11 +90,3 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     if fmt == "int4":
         return QuantizedWeight("int4", *kernels().quantize_int4(w))
     raise ValueError(f"cannot quantize to {fmt!r}")
-
-
-if __name__ == "__main__":  # `make install` builds the kernels once, so no first request waits for it
-    try:
-        kernels()
-        print("int8/int4 CPU kernels: ready")
-    except WeightFormatUnavailable as e:
-        print(f"int8/int4 CPU kernels unavailable ({e}); --weight-format auto will use fp32")

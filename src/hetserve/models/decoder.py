@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
-from ..layers.attention import AttentionMetadata, paged_attention
+from ..layers import native
+from ..layers.attention import AttentionMetadata, attend_cached, paged_attention
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
@@ -62,6 +63,7 @@ class DecoderModel:
         self.load_seconds = 0.0
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
         self.qkv_sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
+        self.fused = None  # the native ops module when forward uses them (use_fused_ops)
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -143,10 +145,24 @@ class DecoderModel:
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.dtype).bits // 8
 
+    def use_fused_ops(self, enable: bool = True) -> bool:
+        """Whether forward uses the native fused CPU ops (fp32 on a CPU with the extension): one
+        call each for RMSNorm with its residual add, RoPE with the KV-cache write, SiLU-and-mul,
+        and the attention of every one-query row over its pages."""
+        self.fused = None
+        if enable and self.device.type == "cpu" and self.dtype == torch.float32:
+            try:
+                self.fused = native.kernels()
+            except native.NativeUnavailable:
+                pass
+        return self.fused is not None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, hidden] (after the last norm)."""
+        if self.fused is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         c = self.config
         t = input_ids.shape[0]
         with trace.span("model", tokens=t):
@@ -168,6 +184,28 @@ class DecoderModel:
                         gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
                         h = h + layer.down(F.silu(gate) * up)
             return rms_norm(h, self.final_norm, c.rms_eps)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        """forward with the native ops: the residual stream h is updated in place by each norm."""
+        c, ops = self.config, self.fused
+        t = input_ids.shape[0]
+        with trace.span("model", tokens=t):
+            h = F.embedding(input_ids, self.embed)
+            cos, sin = (x.reshape(t, -1).contiguous() for x in self.rope.cos_sin(positions, h.dtype))
+            delta = None  # the previous sublayer's output, added to h by the next norm
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                with trace.span("layer", index=i):
+                    with trace.span("attn"):
+                        x = ops.rms_norm(h, layer.attn_norm, c.rms_eps, delta)
+                        with trace.span("qkv"):
+                            qkv = layer.qkv(x)
+                        with trace.span("rope+kv-write"):
+                            q = ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, c.num_heads)
+                        delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=ops))
+                    with trace.span("mlp"):
+                        x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps, delta)
+                        delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+            return ops.rms_norm(h, self.final_norm, c.rms_eps, delta)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -302,7 +302,10 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
 
 }  // namespace
 
+void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp: fused norm / RoPE / KV-write
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_cpu_ops(m);
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32)");
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K], scale fp16 [N, K/32])");
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/64) * 32], scale, min fp16 [N, K/32])");

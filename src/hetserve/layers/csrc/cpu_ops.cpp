@@ -1,0 +1,254 @@
+// Fused fp32 CPU ops for the decoder's small per-layer steps. At batch 1 the time a step spends
+// outside the matmuls is mostly per-op dispatch: an RMSNorm is 6 torch ops, RoPE on q and k
+// plus the KV-cache write about 15. Each of these is one call. Every row is computed alone, in
+// a fixed order: results do not depend on the batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+inline void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= H; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float ss = _mm_cvtss_f32(s);
+  for (; j < H; ++j) ss += x[j] * x[j];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (j = 0; j + 8 <= H; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(x + j), rv)));
+  for (; j < H; ++j) y[j] = w[j] * (x[j] * r);
+}
+
+// RMSNorm of each row of x: w * x / sqrt(mean(x^2) + eps). With `delta`, x += delta first (the
+// residual add), in place, and the sum is normalized.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> delta) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "x [T, H] and w [H] expected");
+  const bool add = delta && delta->defined();
+  if (add) {
+    check_f32(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape");
+  }
+  const int64_t T = x.size(0), H = x.size(1);
+  auto y = torch::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* dp = add ? delta->data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = xp + t * H;
+      if (add)
+        for (int64_t j = 0; j < H; ++j) row[j] += dp[t * H + j];
+      norm_row(row, wp, yp + t * H, H, static_cast<float>(eps));
+    }
+  });
+  return y;
+}
+
+// NeoX rotation of one head (first half with second half) by a position's cos/sin.
+inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t half) {
+  int64_t j = 0;
+  for (; j + 8 <= half; j += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + j), x2 = _mm256_loadu_ps(x + half + j);
+    const __m256 cv = _mm256_loadu_ps(c + j), sv = _mm256_loadu_ps(s + j);
+    _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+    _mm256_storeu_ps(out + half + j, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+  }
+  for (; j < half; ++j) {
+    const float x1 = x[j], x2 = x[half + j];
+    out[j] = x1 * c[j] - x2 * s[j];
+    out[half + j] = x2 * c[j] + x1 * s[j];
+  }
+}
+
+// qkv [T, (H + 2 KVH) * D] from the fused projection; cos, sin [T, D/2]. Rotates q and k, writes
+// k and v into the caches [slots, KVH, D] at slot_mapping [T]; returns q [T, H, D].
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slots, int64_t heads) {
+  for (auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) check_f32(*t, "qkv, cos, sin and the caches");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: int64 [T]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches [slots, kv_heads, head_dim]");
+  const int64_t T = qkv.size(0), KVH = k_cache.size(1), D = k_cache.size(2), half = D / 2, S = k_cache.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * KVH) * D && D % 2 == 0, "qkv width does not match");
+  TORCH_CHECK(cos.numel() == T * half && sin.numel() == T * half && slots.size(0) == T, "cos/sin/slots: one per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
+  auto q = torch::empty({T, heads, D}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t W = qkv.size(1);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = xp + t * W;
+      const float *c = cp + t * half, *s = snp + t * half;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, qp + (t * heads + h) * D, half);
+      for (int64_t h = 0; h < KVH; ++h) rotate(row + (heads + h) * D, c, s, kc + (sp[t] * KVH + h) * D, half);
+      std::memcpy(vc + sp[t] * KVH * D, row + (heads + KVH) * D, KVH * D * sizeof(float));
+    }
+  });
+  return q;
+}
+
+
+// exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 minimax
+// polynomial (the Cephes expf coefficients), 2^n built in the exponent bits. Inputs below
+// -87.3 give 0-ish, above 88.3 are clamped (softmax and SiLU never need more).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {  // the same function, one value (tails of rows)
+  alignas(32) float b[8] = {x};
+  _mm256_store_ps(b, exp8(_mm256_load_ps(b)));
+  return b[0];
+}
+
+// SwiGLU's gate: gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [T, 2I] expected");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto y = torch::empty({T, I}, gate_up.options());
+  const float* xp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = xp + t * 2 * I, *u = g + I;
+      float* o = yp + t * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                              _mm256_loadu_ps(u + j)));
+      }
+      for (; j < I; ++j) o[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Attention of single query rows over their paged contexts, read in place from the caches
+// [slots, KVH, D] (slot = page * page_size + offset). Row r is q[rows[r]] and sees the first
+// ctx_lens[r] tokens of block table tables[r]. The g = H / KVH query heads of a KV head share
+// each K and V row as it is read (GQA without repeating K/V). Writes out[rows[r]] ([T, H * D]).
+void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
+                 torch::Tensor rows, torch::Tensor ctx_lens, torch::Tensor tables, int64_t page_size, double scale) {
+  for (auto* t : {&q, &k_cache, &v_cache, &out}) check_f32(*t, "q, the caches and out");
+  for (auto* t : {&rows, &ctx_lens, &tables})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "rows, ctx_lens, tables: contiguous int64");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "q [T, H, D], caches [S, KVH, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && D % 8 == 0 && H % KVH == 0, "head sizes do not match (D a multiple of 8)");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "out [T, H * D] expected");
+  const int64_t R = rows.size(0), P = tables.dim() == 2 ? tables.size(1) : 0;
+  TORCH_CHECK(ctx_lens.numel() == R && tables.dim() == 2 && tables.size(0) == R && page_size > 0, "one table per row");
+  const int64_t *rp = rows.data_ptr<int64_t>(), *cp = ctx_lens.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && cp[r] > 0 && cp[r] <= P * page_size, "row or context length out of range");
+    for (int64_t i = 0; i < (cp[r] + page_size - 1) / page_size; ++i)
+      TORCH_CHECK(tp[r * P + i] >= 0 && (tp[r * P + i] + 1) * page_size <= S, "page out of range");
+  }
+  const int64_t g = H / KVH;
+  TORCH_CHECK(g <= 64, "at most 64 query heads per KV head");
+  const float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, R * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p, acc(g * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / KVH, h = i % KVH, n = cp[r];
+      const int64_t* table = tp + r * P;
+      const float* qh = qp + (rp[r] * H + h * g) * D;
+      p.resize(g * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = kc + ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
+        for (int64_t j = 0; j < g; ++j) p[j * n + t] = dot(qh + j * D, k, D) * sc;
+      }
+      float inv_sum[64];
+      for (int64_t j = 0; j < g; ++j) {
+        float* pj = p.data() + j * n;
+        float m = pj[0];
+        for (int64_t t = 1; t < n; ++t) m = std::max(m, pj[t]);
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sv = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pj + t), mv));
+          _mm256_storeu_ps(pj + t, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        float sum = _mm_cvtss_f32(s4);
+        for (; t < n; ++t) sum += (pj[t] = exp1(pj[t] - m));
+        inv_sum[j] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = vc + ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
+        for (int64_t j = 0; j < g; ++j) {
+          const __m256 w = _mm256_set1_ps(p[j * n + t]);
+          float* a = acc.data() + j * D;
+          for (int64_t e = 0; e < D; e += 8)
+            _mm256_storeu_ps(a + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + e), _mm256_loadu_ps(a + e)));
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* o = op + rp[r] * H * D + (h * g + j) * D;
+        const __m256 iv = _mm256_set1_ps(inv_sum[j]);
+        for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + j * D + e), iv));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void register_cpu_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, optionally after an in-place residual add");
+  m.def("rope_kv_write", &rope_kv_write, "RoPE on q and k of a fused qkv, k and v written to the KV cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up");
+  m.def("attend_rows", &attend_rows, "attention of single query rows over paged KV, in place");
+}

@@ -1,0 +1,96 @@
+"""The native fused CPU ops (RMSNorm with the residual add, RoPE with the KV-cache write) compute
+what the torch ops they replace compute, and the model gives the same tokens with or without them."""
+
+import pytest
+import torch
+
+from hetserve.layers import native
+from hetserve.layers.norm import rms_norm
+from hetserve.layers.rotary import RotaryEmbedding
+
+if not native.available():  # pragma: no cover - machines without AVX2 or a compiler
+    pytest.skip("native CPU ops unavailable", allow_module_level=True)
+ops = native.kernels()
+
+
+@pytest.mark.parametrize("width", [64, 896, 100])  # 100: a tail after blocks of 8
+def test_rms_norm_with_and_without_the_residual_add(width):
+    torch.manual_seed(0)
+    h, delta, w = torch.randn(5, width), torch.randn(5, width), torch.randn(width)
+    torch.testing.assert_close(ops.rms_norm(h.clone(), w, 1e-6, None), rms_norm(h, w, 1e-6), rtol=1e-5, atol=1e-6)
+    inplace = h.clone()
+    y = ops.rms_norm(inplace, w, 1e-6, delta)
+    torch.testing.assert_close(inplace, h + delta)  # the residual stream, updated in place
+    torch.testing.assert_close(y, rms_norm(h + delta, w, 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="shape"):
+        ops.rms_norm(h.clone(), w, 1e-6, delta[:2])
+
+
+def test_rope_and_kv_write_match_the_torch_ops():
+    torch.manual_seed(1)
+    t, heads, kvh, d = 6, 4, 2, 32
+    rope = RotaryEmbedding(d, 128, 10000.0)
+    positions = torch.tensor([0, 5, 6, 7, 100, 3])
+    qkv = torch.randn(t, (heads + 2 * kvh) * d)
+    slots = torch.tensor([9, 2, 3, 4, 40, 0])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    k_cache, v_cache = torch.zeros(48, kvh, d), torch.zeros(48, kvh, d)
+    q = ops.rope_kv_write(qkv, cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous(), k_cache, v_cache,
+                          slots, heads)
+    rq, rk, rv = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    torch.testing.assert_close(q, RotaryEmbedding.apply(rq.view(t, heads, d), cos, sin))
+    torch.testing.assert_close(k_cache[slots], RotaryEmbedding.apply(rk.reshape(t, kvh, d), cos, sin))
+    assert torch.equal(v_cache[slots], rv.reshape(t, kvh, d))
+    untouched = torch.ones(48, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_kv_write(qkv, cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous(), k_cache, v_cache,
+                          torch.tensor([0, 1, 2, 3, 4, 48]), heads)
+
+
+@pytest.mark.parametrize("weight_format", ["fp32", "int8"])
+def test_model_gives_the_same_tokens_with_and_without_the_fused_ops(tiny_qwen2, weight_format):
+    from hetserve import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 390 + 1 for i in range(n)] for j, n in enumerate((30, 5, 17))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for fused in (True, False):  # two engines: no prefix-cache hit may carry KV from one to the other
+        llm = LLM(model=tiny_qwen2, kv_cache_memory="4MiB", weight_format=weight_format, deterministic=True)
+        assert llm.model.use_fused_ops(fused) == fused
+        outputs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
+
+
+def test_silu_mul_matches_torch():
+    torch.manual_seed(2)
+    gate_up = torch.randn(3, 2 * 100) * 6
+    gate, up = gate_up.split(100, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_query", [False, True])
+def test_native_attention_matches_sdpa_over_scattered_pages(per_query):
+    """Decode rows (and in per-query mode every prompt row) read their pages in place; the
+    result equals the SDPA path's, whose pages are gathered."""
+    from hetserve.layers.attention import AttentionMetadata, attend_cached
+
+    torch.manual_seed(3)
+    heads, kvh, d, ps = 6, 2, 32, 4
+    k_cache, v_cache = torch.randn(64, kvh, d), torch.randn(64, kvh, d)
+    # three sequences: a 1-token decode over 13 tokens on scattered pages, a 5-token prompt chunk, a decode
+    tables = [[7, 2, 11, 3, 9], [0, 1], [15, 14, 13]]
+    meta = AttentionMetadata.build([1, 5, 1], [13, 8, 10], tables, ps, torch.device("cpu"), per_query=per_query)
+    q = torch.randn(7, heads, d)
+    ref = attend_cached(q, k_cache, v_cache, meta, 0.3)
+    got = attend_cached(q, k_cache, v_cache, AttentionMetadata.build([1, 5, 1], [13, 8, 10], tables, ps,
+                                                                      torch.device("cpu"), per_query=per_query),
+                        0.3, native=ops)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    rows, lens, tabs, rest = meta.one_query_rows()
+    assert rows.tolist() == ([0, 1, 2, 3, 4, 5, 6] if per_query else [0, 6])
+    assert [s.q_len for s in rest] == ([] if per_query else [5])
+    with pytest.raises(RuntimeError, match="page out of range"):
+        ops.attend_rows(q, k_cache, v_cache, torch.empty(7, heads * d), torch.tensor([0]), torch.tensor([5]),
+                        torch.tensor([[0, 16]]), ps, 0.3)
