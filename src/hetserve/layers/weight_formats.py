@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 FORMATS = ("auto", "fp32", "int8", "int4")
-# `auto` picks this where the extension runs: int8 decodes 3x faster than fp32 at +0.3% perplexity;
-# int4 is a few percent faster again but +4.5% perplexity (docs/benchmarks.md, "CPU fast path").
+# `auto` picks this where the extension runs: int8 decodes 5x faster than fp32 at +0.24% perplexity;
+# int4 is about 25% faster again but +4.6% perplexity (docs/benchmarks.md, "CPU fast path").
 AUTO_CPU_FORMAT = "int8"
 
 
