@@ -79,18 +79,39 @@ def test_native_attention_matches_sdpa_over_scattered_pages(per_query):
     torch.manual_seed(3)
     heads, kvh, d, ps = 6, 2, 32, 4
     k_cache, v_cache = torch.randn(64, kvh, d), torch.randn(64, kvh, d)
-    # three sequences: a 1-token decode over 13 tokens on scattered pages, a 5-token prompt chunk, a decode
-    tables = [[7, 2, 11, 3, 9], [0, 1], [15, 14, 13]]
-    meta = AttentionMetadata.build([1, 5, 1], [13, 8, 10], tables, ps, torch.device("cpu"), per_query=per_query)
-    q = torch.randn(7, heads, d)
-    ref = attend_cached(q, k_cache, v_cache, meta, 0.3)
-    got = attend_cached(q, k_cache, v_cache, AttentionMetadata.build([1, 5, 1], [13, 8, 10], tables, ps,
-                                                                      torch.device("cpu"), per_query=per_query),
-                        0.3, native=ops)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    rows, lens, tabs, rest = meta.one_query_rows()
-    assert rows.tolist() == ([0, 1, 2, 3, 4, 5, 6] if per_query else [0, 6])
-    assert [s.q_len for s in rest] == ([] if per_query else [5])
+    # four sequences: a decode over 13 tokens on scattered pages, a 20-token prompt chunk, a decode,
+    # and a 5-row verification (a last token and 4 drafts)
+    tables = [[7, 2, 11, 3, 9], [0, 1, 4, 5, 6, 8], [15, 14, 13], [12, 10]]
+    shape = ([1, 20, 1, 5], [13, 22, 10, 8])
+
+    def meta():
+        return AttentionMetadata.build(*shape, tables, ps, torch.device("cpu"), per_query=per_query)
+
+    q = torch.randn(27, heads, d)
+    ref = attend_cached(q, k_cache, v_cache, meta(), 0.3)
+    torch.testing.assert_close(attend_cached(q, k_cache, v_cache, meta(), 0.3, native=ops), ref, rtol=1e-5, atol=1e-5)
+    rows, lens, tabs, rest = meta().one_query_rows()
+    assert rows.tolist() == (list(range(27)) if per_query else [0, 21, 22, 23, 24, 25, 26])
+    assert [s.q_len for s in rest] == ([] if per_query else [20])
+    if not per_query:
+        assert lens.tolist() == [13, 10, 4, 5, 6, 7, 8]  # each verification row sees its own prefix
     with pytest.raises(RuntimeError, match="page out of range"):
-        ops.attend_rows(q, k_cache, v_cache, torch.empty(7, heads * d), torch.tensor([0]), torch.tensor([5]),
+        ops.attend_rows(q, k_cache, v_cache, torch.empty(27, heads * d), torch.tensor([0]), torch.tensor([5]),
                         torch.tensor([[0, 16]]), ps, 0.3)
+
+
+def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row():
+    """Speculative verification scores K + 1 rows of one sequence in a step; each must equal what a
+    plain decode of that row computes, or greedy speculation could drift from the target's tokens."""
+    from hetserve.layers.attention import AttentionMetadata, attend_cached
+
+    torch.manual_seed(4)
+    heads, kvh, d, ps = 6, 2, 32, 4
+    k_cache, v_cache = torch.randn(64, kvh, d), torch.randn(64, kvh, d)
+    table, cpu = [9, 3, 12, 5], torch.device("cpu")
+    q = torch.randn(5, heads, d)
+    together = attend_cached(q, k_cache, v_cache, AttentionMetadata.build([5], [14], [table], ps, cpu), 0.3, native=ops)
+    for j in range(5):
+        alone = attend_cached(q[j:j + 1], k_cache, v_cache, AttentionMetadata.build([1], [10 + j], [table], ps, cpu),
+                              0.3, native=ops)
+        assert torch.equal(alone[0], together[j])

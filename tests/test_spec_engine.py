@@ -70,6 +70,19 @@ def test_greedy_speculation_equals_target_alone_and_batched(tiny_qwen2, drafts, 
     assert_pages_back(llm)
 
 
+def test_greedy_speculation_equals_target_alone_outside_deterministic_mode(tiny_qwen2, drafts):
+    """Without per-query mode too: verification rows and decode rows go through the same
+    row-by-row attention and the batch-invariant int8 kernel, so a greedy round accepts exactly
+    the target's tokens."""
+    kw = {"deterministic": False, "weight_format": "int8"}
+    target = make(tiny_qwen2, **kw)
+    spec = make(tiny_qwen2, drafts["near"], num_speculative_tokens=4, **kw)
+    for p in PROMPTS:
+        assert (spec.generate([p], GREEDY, use_tqdm=False)[0].token_ids
+                == target.generate([p], GREEDY, use_tqdm=False)[0].token_ids)
+    assert spec.engine.spec_stats()["accepted"] > 0
+
+
 def test_greedy_with_an_unrelated_smaller_draft_and_stop_token(tiny_qwen2, drafts, target_only):
     llm = make(tiny_qwen2, drafts["small"], num_speculative_tokens=4)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only

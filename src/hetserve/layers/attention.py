@@ -40,6 +40,9 @@ class SeqAttention:
         return self.folded_mask
 
 
+NATIVE_MAX_QUERY_ROWS = 16  # longer prefill chunks go to SDPA, whose blocked kernel wins there
+
+
 @dataclass
 class AttentionMetadata:
     """Everything a forward needs to place and read K/V; built once per step, shared by layers."""
@@ -52,13 +55,16 @@ class AttentionMetadata:
     _one_query: tuple | None = None
 
     def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqAttention]]:
-        """For the native CPU kernel: (rows, context lengths, block tables [rows, pages]) of every
-        row that is one query over its own context (decode rows; every row in per-query mode),
-        and the sequences left to SDPA. Built once per step, on the first layer's call."""
+        """For the native CPU kernel, which attends each row alone over its own context: (rows,
+        context lengths, block tables [rows, pages]) of the sequences with at most
+        NATIVE_MAX_QUERY_ROWS new tokens (decodes, speculative verifications; every sequence in
+        per-query mode), and the sequences left to SDPA. A row's result then does not depend on
+        whether it was a decode or one of a verification's rows: greedy speculative decoding gives
+        the target's tokens. Built once per step, on the first layer's call."""
         if self._one_query is None:
             rows, lens, tabs, rest = [], [], [], []
             for s, table in zip(self.seqs, self.tables):
-                if s.q_len == 1 or self.per_query:
+                if s.q_len <= NATIVE_MAX_QUERY_ROWS or self.per_query:
                     first = s.ctx_len - s.q_len
                     rows += range(s.q_start, s.q_start + s.q_len)
                     lens += range(first + 1, s.ctx_len + 1)
