@@ -17,6 +17,13 @@ void check_f32(const torch::Tensor& t, const char* name) {
               " must be a contiguous fp32 CPU tensor");
 }
 
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 inline void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
@@ -24,10 +31,7 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t H, float 
     const __m256 v = _mm256_loadu_ps(x + j);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float ss = _mm_cvtss_f32(s);
+  float ss = hsum(acc);
   for (; j < H; ++j) ss += x[j] * x[j];
   const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
   const __m256 rv = _mm256_set1_ps(r);
@@ -162,10 +166,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return hsum(acc);
 }
 
 // Attention of single query rows over their paged contexts, read in place from the caches
@@ -218,10 +219,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
           _mm256_storeu_ps(pj + t, e);
           sv = _mm256_add_ps(sv, e);
         }
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        float sum = _mm_cvtss_f32(s4);
+        float sum = hsum(sv);
         for (; t < n; ++t) sum += (pj[t] = exp1(pj[t] - m));
         inv_sum[j] = 1.f / sum;
       }
