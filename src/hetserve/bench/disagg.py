@@ -29,15 +29,9 @@ import sys
 import time
 
 from . import plots
-from .routing import _Server, _stream  # the same server handling and stream client
+from .routing import _names, _Server, _stream  # the same worker names, server handling and stream client
 
 WORKLOADS = ("LILO", "LISO", "SILO", "SISO")
-
-
-def _names(devices: list[str]) -> list[str]:
-    from ..serving.devices import parse_devices
-
-    return [s.name for s in parse_devices(devices, {}, "float32")]
 
 
 def _p95(xs: list[float]) -> float:
@@ -155,25 +149,17 @@ def table(results: dict, workloads: list[str]) -> str:
 
 def plot(saved: dict, path: str) -> bool:
     """Total time, total tok/s and TTFT (median, p95 whisker) per workload and mode."""
-    plt = plots.pyplot()
-    if plt is None:
-        return False
     results, workloads = saved["results"], list(saved["results"]["PD@A"])
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, key, label in zip(axes, ("total_s", "tok_s", "ttft_median_s"),
-                              ("total time of the batch (s)", "total tok/s (prompt + output)",
-                               "TTFT median, p95 whisker (s)")):
-        series = {m: [results[m][wl][key] for wl in workloads] for m in MODES}
-        ups = {m: [results[m][wl]["ttft_p95_s"] for wl in workloads] for m in MODES} if key == "ttft_median_s" else None
-        plots.grouped_bars(ax, workloads, series, label, ups)
-    axes[0].legend()
+
+    def series(key):
+        return {m: [results[m][wl][key] for wl in workloads] for m in MODES}
     names, devices = saved["workers"], saved["devices"]
-    fig.suptitle(f"disaggregation: A = {names[0]} ({devices[0]}), B = {names[1]} ({devices[1]}), "
-                 f"{saved['concurrency']} concurrent requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return plots.bar_panels(
+        path, f"disaggregation: A = {names[0]} ({devices[0]}), B = {names[1]} ({devices[1]}), "
+              f"{saved['concurrency']} concurrent requests", workloads,
+        [("total time of the batch (s)", series("total_s"), None),
+         ("total tok/s (prompt + output)", series("tok_s"), None),
+         ("TTFT median, p95 whisker (s)", series("ttft_median_s"), series("ttft_p95_s"))])
 
 
 def main(args) -> int:

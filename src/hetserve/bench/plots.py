@@ -31,3 +31,21 @@ def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], title: s
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))])
     ax.set_xticklabels(groups)
     ax.set_title(title)
+
+
+def bar_panels(path: str, title: str, groups: list[str],
+               panels: list[tuple[str, dict[str, list[float]], dict[str, list[float]] | None]]) -> bool:
+    """A row of grouped-bar panels, (panel title, series, upper whiskers or None) each, saved to
+    `path`; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 4))
+    for ax, (label, series, errors_up) in zip(axes, panels):
+        grouped_bars(ax, groups, series, label, errors_up)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -234,23 +234,16 @@ def _table(rows: list[tuple[int, str, dict]], baseline: str) -> str:
 
 
 def _plot(rows, path: str, title: str) -> bool:
-    plt = plots.pyplot()
-    if plt is None:
-        return False
     bursts = sorted({n for n, _, _ in rows})
     policies = list(dict.fromkeys(p for _, p, _ in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, key, label in zip(axes, ("completion_s", "output_tok_s", "e2e_p95_s"),
-                              ("whole-burst completion (s)", "output throughput (tok/s)", "E2E p95 (s)")):
-        series = {policy: [next((m[key] for n, p, m in rows if n == b and p == policy), 0) for b in bursts]
-                  for policy in policies}
-        plots.grouped_bars(ax, [f"{b} requests" for b in bursts], series, label)
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+
+    def series(key):
+        return {policy: [next((m[key] for n, p, m in rows if n == b and p == policy), 0) for b in bursts]
+                for policy in policies}
+    return plots.bar_panels(path, title, [f"{b} requests" for b in bursts], [
+        ("whole-burst completion (s)", series("completion_s"), None),
+        ("output throughput (tok/s)", series("output_tok_s"), None),
+        ("E2E p95 (s)", series("e2e_p95_s"), None)])
 
 
 def _errors(real: dict, sim: dict) -> dict:
