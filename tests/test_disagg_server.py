@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from hetserve import LLM, SamplingParams
-from test_routing_server import one_thread, routed
+from hetserve import SamplingParams
+from test_routing_server import concurrent_completions, one_worker_outputs, routed
 from test_server import kill_when_running, worker_pid
 from test_server import Server
 
@@ -44,22 +44,9 @@ def wait_pages_back(server, workers=("cpu0", "cpu1"), timeout=10.0) -> dict:
 
 def test_split_gives_single_worker_outputs(tiny_qwen2, split):
     prompts = [[(11 * i + 3 * k) % 390 + 1 for k in range(20 + 9 * i)] for i in range(4)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with one_thread():
-        one = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True)
-        expected = [o.text for o in one.generate(prompts, params, use_tqdm=False)]
-
-    async def burst():
-        async with httpx.AsyncClient(timeout=120) as c:
-            async def one_request(p):
-                r = await c.post(split.url + "/v1/completions", json={
-                    "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                return r.json()
-            return await asyncio.gather(*[one_request(p) for p in prompts])
-
-    results = asyncio.run(burst())
-    assert [r["choices"][0]["text"] for r in results] == expected
+    expected = one_worker_outputs(tiny_qwen2, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    results = concurrent_completions(split.url, prompts)
+    assert [r["choices"][0]["text"] for r in results] == [o.text for o in expected]
     moves = [line for line in routed(split.log) if line.get("event") == "kv_transfer"]
     assert len(moves) == 4 and all(m["ok"] and m["prefill"] == "cpu0" and m["decode"] == "cpu1" for m in moves)
     assert all(m["bytes"] > 0 and m["transfer_s"] > 0 for m in moves)
@@ -152,9 +139,8 @@ def test_auto_split_follows_the_profiles(tiny_qwen2, tmp_path):
                "--route-log", str(log))
     try:
         prompt = [(7 * k) % 390 + 1 for k in range(40)]
-        with one_thread():
-            expected = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True).generate(
-                [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
+        expected = one_worker_outputs(tiny_qwen2, [prompt],
+                                      SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].text
         r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
                                                          "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected

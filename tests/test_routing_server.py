@@ -80,23 +80,31 @@ def pair(tiny_qwen2, profile_file, tmp_path_factory):
     assert f"worker cpu1 (cpu:threads=1,max_num_seqs=8): prefill tok/s {{64: {given:.1f}," in out
 
 
-def test_two_workers_give_one_workers_outputs_and_share_the_work(tiny_qwen2, pair):
-    prompts = [[(11 * i + 3 * k) % 390 + 1 for k in range(20 + 9 * i)] for i in range(6)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with one_thread():  # as the workers: deterministic mode is invariant to batching, not to thread count
-        one = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True)
-        expected = [o.text for o in one.generate(prompts, params, use_tqdm=False)]
+def one_worker_outputs(model: str, prompts, params) -> list:
+    """What one in-process deterministic engine generates, on one thread as the workers run
+    (deterministic mode is invariant to batching, not to thread count)."""
+    with one_thread():
+        return LLM(model=model, kv_cache_memory="16MiB", deterministic=True).generate(prompts, params, use_tqdm=False)
 
-    async def burst():
+
+def concurrent_completions(url: str, prompts, **extra) -> list[dict]:
+    """Every prompt at once as a greedy 12-token completion; each must answer 200."""
+    async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             async def one_request(p):
-                r = await c.post(pair.url + "/v1/completions", json={
-                    "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+                r = await c.post(url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra})
+                assert r.status_code == 200, r.text
                 return r.json()
             return await asyncio.gather(*[one_request(p) for p in prompts])
+    return asyncio.run(main())
 
-    results = asyncio.run(burst())
-    assert [r["choices"][0]["text"] for r in results] == expected
+
+def test_two_workers_give_one_workers_outputs_and_share_the_work(tiny_qwen2, pair):
+    prompts = [[(11 * i + 3 * k) % 390 + 1 for k in range(20 + 9 * i)] for i in range(6)]
+    expected = one_worker_outputs(tiny_qwen2, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    results = concurrent_completions(pair.url, prompts, logprobs=1)
+    assert [r["choices"][0]["text"] for r in results] == [o.text for o in expected]
     lines = routed(pair.log)
     assert len(lines) == 6 and all(line["policy"] == "cost" for line in lines)
     assert all([c["worker"] for c in line["candidates"]] == ["cpu0", "cpu1"] for line in lines)
@@ -139,9 +147,7 @@ def test_a_dead_worker_leaves_the_other_serving(pair):
 def test_llm_with_several_devices_routes_in_worker_processes(tiny_qwen2, tmp_path):
     prompts = [[(5 * i + 2 * k) % 390 + 1 for k in range(30 + 7 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with one_thread():
-        one = LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True)
-        expected = one.generate(prompts, params, use_tqdm=False)
+    expected = one_worker_outputs(tiny_qwen2, prompts, params)
     log = tmp_path / "route.jsonl"
     with LLM(model=tiny_qwen2, kv_cache_memory="16MiB", deterministic=True, route_log=str(log),
              devices=["cpu:threads=1", "cpu:threads=1"], route_policy="round-robin") as llm:
