@@ -118,7 +118,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, native=None) -> torch.Tensor:
     """Attention of q [T, heads, d] over contexts already in the cache; returns [T, heads * d].
-    native: the native CPU ops (fp32 CPU caches), which take every one-query row."""
+    native: the native CPU ops (fp32 CPU caches), which take the rows one_query_rows() lists."""
     with trace.span("attention", seqs=len(meta.seqs)):
         return _attend(q, k_cache, v_cache, meta, scale, k_cache.shape[1], q.shape[1] // k_cache.shape[1], native)
 
