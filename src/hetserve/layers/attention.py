@@ -12,6 +12,10 @@ into the query axis, so SDPA runs with kv_heads heads.
 Deterministic mode computes every prompt token's attention as its own call
 over exactly the keys it may see, so a token's result does not depend on how
 its prompt was chunked or what else ran in the step.
+
+On fp32 CPU workers the native extension attends the rows of short sequences
+(decodes, speculative verifications; all rows in deterministic mode) one by one,
+reading their pages in place; SDPA keeps the longer prefill chunks.
 """
 
 from __future__ import annotations
@@ -106,13 +110,12 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d]; returns [T, heads * d]."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """k, v: [T, kv_heads, d], scattered into their slots."""
     with trace.span("kv-write"):
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    return attend_cached(q, k_cache, v_cache, meta, scale)
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

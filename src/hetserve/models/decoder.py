@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import trace
 from ..layers import native
-from ..layers.attention import AttentionMetadata, attend_cached, paged_attention
+from ..layers.attention import AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
@@ -148,7 +148,7 @@ class DecoderModel:
     def use_fused_ops(self, enable: bool = True) -> bool:
         """Whether forward uses the native fused CPU ops (fp32 on a CPU with the extension): one
         call each for RMSNorm with its residual add, RoPE with the KV-cache write, SiLU-and-mul,
-        and the attention of every one-query row over its pages."""
+        and the attention of short sequences (decodes, verifications) read in place from their pages."""
         self.fused = None
         if enable and self.device.type == "cpu" and self.dtype == torch.float32:
             try:
@@ -160,52 +160,54 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [T]; returns final hidden states [T, hidden] (after the last norm)."""
-        if self.fused is not None:
-            return self._forward_fused(input_ids, positions, meta, kv_caches)
-        c = self.config
+        """input_ids, positions: [T]; returns final hidden states [T, hidden] (after the last norm).
+        The residual stream h is updated in place: each norm first adds the previous sublayer's
+        output (`delta`)."""
         t = input_ids.shape[0]
         with trace.span("model", tokens=t):
             h = F.embedding(input_ids, self.embed)
-            cos, sin = self.rope.cos_sin(positions, h.dtype)
+            cos, sin = self.rope.cos_sin(positions, h.dtype)  # contiguous [T, 1, head_dim/2]
+            delta = None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 with trace.span("layer", index=i):
                     with trace.span("attn"):
-                        x = rms_norm(h, layer.attn_norm, c.rms_eps)
-                        with trace.span("qkv"):
-                            q, k, v = layer.qkv(x).split(self.qkv_sizes, dim=-1)
-                        with trace.span("rope"):
-                            q = RotaryEmbedding.apply(q.view(t, c.num_heads, c.head_dim), cos, sin)
-                            k = RotaryEmbedding.apply(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-                        v = v.view(t, c.num_kv_heads, c.head_dim)
-                        h = h + layer.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
-                    with trace.span("mlp"):
-                        x = rms_norm(h, layer.mlp_norm, c.rms_eps)
-                        gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
-                        h = h + layer.down(F.silu(gate) * up)
-            return rms_norm(h, self.final_norm, c.rms_eps)
-
-    def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
-        """forward with the native ops: the residual stream h is updated in place by each norm."""
-        c, ops = self.config, self.fused
-        t = input_ids.shape[0]
-        with trace.span("model", tokens=t):
-            h = F.embedding(input_ids, self.embed)
-            cos, sin = (x.reshape(t, -1).contiguous() for x in self.rope.cos_sin(positions, h.dtype))
-            delta = None  # the previous sublayer's output, added to h by the next norm
-            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-                with trace.span("layer", index=i):
-                    with trace.span("attn"):
-                        x = ops.rms_norm(h, layer.attn_norm, c.rms_eps, delta)
+                        x = self._norm(h, layer.attn_norm, delta)
                         with trace.span("qkv"):
                             qkv = layer.qkv(x)
-                        with trace.span("rope+kv-write"):
-                            q = ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, c.num_heads)
-                        delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=ops))
+                        q = self._rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta)
+                        delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=self.fused))
                     with trace.span("mlp"):
-                        x = ops.rms_norm(h, layer.mlp_norm, c.rms_eps, delta)
-                        delta = layer.down(ops.silu_mul(layer.gate_up(x)))
-            return ops.rms_norm(h, self.final_norm, c.rms_eps, delta)
+                        x = self._norm(h, layer.mlp_norm, delta)
+                        delta = layer.down(self._silu_mul(layer.gate_up(x)))
+            return self._norm(h, self.final_norm, delta)
+
+    # Each step below is one native call where `fused` is set, else the torch ops it replaces.
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(h, weight, self.config.rms_eps, delta)
+        if delta is not None:
+            h += delta
+        return rms_norm(h, weight, self.config.rms_eps)
+
+    def _rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE on q and k, k and v into the cache; returns q [T, heads, head_dim]."""
+        c = self.config
+        if self.fused is not None:
+            with trace.span("rope+kv-write"):
+                return self.fused.rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, c.num_heads)
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        with trace.span("rope"):
+            q = RotaryEmbedding.apply(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = RotaryEmbedding.apply(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
+        return q
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.split(self.config.intermediate_size, dim=-1)
+        return F.silu(gate) * up
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
