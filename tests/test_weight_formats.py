@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from hetserve.layers.linear import Linear, MatmulPolicy
-from hetserve.layers.weight_formats import (GROUP, WeightFormatUnavailable, kernels, quantize, resolve_weight_format,
-                                            unpack_int4)
+from hetserve.layers.weight_formats import GROUP, WeightFormatUnavailable, kernels, quantize, resolve_weight_format
 
 try:
     kernels()
@@ -25,11 +24,7 @@ def _quantize_rows(x: torch.Tensor):
 def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
     """sum over groups of scale_w * d_x * (integer dot) (+ min_w * sum(x)) in float64."""
     xq, d, xs = _quantize_rows(x)
-    n = qw.q.shape[0]
-    if qw.fmt == "int8":
-        wq = qw.q.view(n, -1, GROUP).double()
-    else:
-        wq = unpack_int4(qw.q, qw.scale.shape[1]).double()
+    wq = qw.group_values().double()
     y = torch.einsum("mgj,ngj,mg,ng->mn", xq, wq, d, qw.scale.double())
     if qw.fmt == "int4":
         y = y + torch.einsum("mg,ng->mn", xs, qw.min.double())
@@ -45,10 +40,14 @@ def test_quantizer_keeps_the_format(fmt):
     assert qw.scale.dtype == torch.float16 and qw.scale.shape == (37, 3)
     deq = qw.dequantize()
     step = qw.scale.float().repeat_interleave(GROUP, dim=1)
+    # 3 groups: one block of 4 (128 values), its 4th group zero padding
     if fmt == "int8":
-        assert qw.q.dtype == torch.int8 and qw.q.abs().max() <= 127
+        assert qw.q.dtype == torch.int8 and qw.q.shape == (37, 128) and qw.q.abs().max() <= 127
     else:
-        assert qw.q.dtype == torch.uint8 and qw.q.shape == (37, 64)  # 3 groups: 2 pairs of 32 bytes
+        assert qw.q.dtype == torch.uint8 and qw.q.shape == (37, 64)
+    values = qw.group_values()
+    stored = qw.q.long().abs() if fmt == "int8" else (qw.q & 0x0F).long() + (qw.q >> 4).long()
+    assert values.shape == (37, 3, GROUP) and stored.sum() == values.long().abs().sum()  # the padding is 0
     # Each weight is within half a step of its value (plus fp16 rounding of the scale and min).
     err = (deq - w).abs()
     assert torch.all(err <= 0.5 * step * 1.01 + 1e-3 * w.abs().amax(1, keepdim=True))

@@ -2,7 +2,9 @@
 
 int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
-      two groups per 32 bytes (low and high nibbles).
+      two values per byte.
+Both store each row in blocks of 4 groups whose elements are interleaved for the kernel
+(`group_values` restores element order).
 Both run in the package's AVX2 extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 """
@@ -28,8 +30,9 @@ AUTO_CPU_FORMAT = "int8"
 WeightFormatUnavailable = NativeUnavailable  # the int8/int4 kernels cannot be built or run here
 
 
-def resolve_weight_format(fmt: str, device: str | torch.device) -> str:
-    """Map --weight-format to the format used on `device`, warning where it cannot run there."""
+def resolve_weight_format(fmt: str, device: str | torch.device, auto: str = AUTO_CPU_FORMAT) -> str:
+    """Map --weight-format to the format used on `device`, warning where it cannot run there;
+    `auto` is the format "auto" means where the CPU kernels run."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if torch.device(device).type != "cpu":
@@ -45,7 +48,7 @@ def resolve_weight_format(fmt: str, device: str | torch.device) -> str:
             log.warning("%s; using fp32 weights", e)
             return "fp32"
         raise WeightFormatUnavailable(f"--weight-format {fmt}: {e}; use --weight-format fp32") from None
-    return AUTO_CPU_FORMAT if fmt == "auto" else fmt
+    return auto if fmt == "auto" else fmt
 
 
 @dataclass
@@ -61,23 +64,33 @@ class QuantizedWeight:
             return kernels().int8_linear(x, self.q, self.scale, bias)
         return kernels().int4_linear(x, self.q, self.scale, self.min, bias)
 
+    def group_values(self) -> torch.Tensor:
+        """The integer weights as [n, groups, 32] in element order."""
+        n, groups = self.scale.shape
+        q = self.q
+        if self.fmt == "int4":  # bytes 32h .. 32h + 31 of a block: vector 2h low, 2h + 1 high nibbles
+            halves = q.view(n, -1, 2, 1, 32)
+            q = torch.cat([halves & 0x0F, halves >> 4], dim=3).view(n, -1)
+        return q[:, _element_positions(groups, q.device)].view(n, groups, GROUP)
+
     def dequantize(self) -> torch.Tensor:
         n = self.q.shape[0]
-        if self.fmt == "int8":
-            return (self.q.view(n, -1, GROUP).float() * self.scale.float()[..., None]).view(n, -1)
-        q = unpack_int4(self.q, self.scale.shape[1])
-        return (q.float() * self.scale.float()[..., None] + self.min.float()[..., None]).view(n, -1)
+        w = self.group_values().float() * self.scale.float()[..., None]
+        if self.fmt == "int4":
+            w = w + self.min.float()[..., None]
+        return w.view(n, -1)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
 
-def unpack_int4(packed: torch.Tensor, groups: int) -> torch.Tensor:
-    """[n, ceil(groups/2) * 32] uint8 -> [n, groups, 32] in element order: each 32 bytes hold
-    one group in their low nibbles and the next in their high nibbles."""
-    pairs = packed.view(packed.shape[0], -1, GROUP)
-    return torch.stack([pairs & 0x0F, pairs >> 4], dim=2).flatten(1, 2)[:, :groups]
+def _element_positions(groups: int, device: torch.device) -> torch.Tensor:
+    """Where element e of group g sits in an interleaved row (csrc/qlinear.cpp `interleaved`):
+    in block g // 4, lane g % 4 + 4 * (e // 4 % 2) of vector e // 8, byte e % 4 of the lane."""
+    g = torch.arange(groups, device=device)[:, None]
+    e = torch.arange(GROUP, device=device)[None, :]
+    return (g // 4 * 128 + 32 * (e // 8) + 4 * (g % 4 + 4 * (e // 4 % 2)) + e % 4).flatten()
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:

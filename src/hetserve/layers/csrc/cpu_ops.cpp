@@ -163,11 +163,43 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  return hsum(acc);
+// Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
+// independent FMA chains sharing each key load (one chain per dot product was latency-bound).
+template <int J>
+void head_scores(const float* q, const float* const* k, int64_t n, int64_t D, float sc, float* p) {
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 acc[J];
+    for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < D; e += 8) {
+      const __m256 kv = _mm256_loadu_ps(k[t] + e);
+      for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + e), kv, acc[j]);
+    }
+    for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
+  }
 }
+
+// out[j] = sum_t p[j * n + t] * v[t] for J heads, 8 lanes of D at a time with the J sums in
+// registers (accumulating in memory was bound by stores).
+template <int J>
+void head_values(const float* p, const float* const* v, int64_t n, int64_t D, float* out) {
+  for (int64_t e = 0; e < D; e += 8) {
+    __m256 acc[J];
+    for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 vv = _mm256_loadu_ps(v[t] + e);
+      for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * n + t]), vv, acc[j]);
+    }
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out + j * D + e, acc[j]);
+  }
+}
+
+// The two passes for J = 1..8 heads at a time (a compile-time count of register chains).
+constexpr void (*kHeadScores[8])(const float*, const float* const*, int64_t, int64_t, float, float*) = {
+    head_scores<1>, head_scores<2>, head_scores<3>, head_scores<4>,
+    head_scores<5>, head_scores<6>, head_scores<7>, head_scores<8>};
+constexpr void (*kHeadValues[8])(const float*, const float* const*, int64_t, int64_t, float*) = {
+    head_values<1>, head_values<2>, head_values<3>, head_values<4>,
+    head_values<5>, head_values<6>, head_values<7>, head_values<8>};
 
 // Attention of single query rows over their paged contexts, read in place from the caches
 // [slots, KVH, D] (slot = page * page_size + offset). Row r is q[rows[r]] and sees the first
@@ -197,15 +229,21 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, R * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p, acc(g * D);
+    std::vector<const float*> krow, vrow;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / KVH, h = i % KVH, n = cp[r];
       const int64_t* table = tp + r * P;
       const float* qh = qp + (rp[r] * H + h * g) * D;
       p.resize(g * n);
+      krow.resize(n);
+      vrow.resize(n);
       for (int64_t t = 0; t < n; ++t) {
-        const float* k = kc + ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
-        for (int64_t j = 0; j < g; ++j) p[j * n + t] = dot(qh + j * D, k, D) * sc;
+        const int64_t off = ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
+        krow[t] = kc + off;
+        vrow[t] = vc + off;
       }
+      for (int64_t j0 = 0; j0 < g; j0 += 8)
+        kHeadScores[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, krow.data(), n, D, sc, p.data() + j0 * n);
       float inv_sum[64];
       for (int64_t j = 0; j < g; ++j) {
         float* pj = p.data() + j * n;
@@ -223,16 +261,8 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         for (; t < n; ++t) sum += (pj[t] = exp1(pj[t] - m));
         inv_sum[j] = 1.f / sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = vc + ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256 w = _mm256_set1_ps(p[j * n + t]);
-          float* a = acc.data() + j * D;
-          for (int64_t e = 0; e < D; e += 8)
-            _mm256_storeu_ps(a + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + e), _mm256_loadu_ps(a + e)));
-        }
-      }
+      for (int64_t j0 = 0; j0 < g; j0 += 8)
+        kHeadValues[std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D, acc.data() + j0 * D);
       for (int64_t j = 0; j < g; ++j) {
         float* o = op + rp[r] * H * D + (h * g + j) * D;
         const __m256 iv = _mm256_set1_ps(inv_sum[j]);

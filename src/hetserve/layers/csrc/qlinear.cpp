@@ -1,19 +1,22 @@
 // Weight-only-stored, integer-dot quantized linear layers for x86 CPUs with AVX2 + FMA.
 //
 // y[M, N] = x[M, K] . dequant(W)[N, K]^T (+ bias). W is stored per output row in groups of
-// 32 input elements (G = K / 32 groups per row):
-//   int8: q int8 [N, K] in -127..127, scale fp16 [N, G]                       w = q * scale
-//   int4: q uint8 [N, ceil(G/2) * 32], scale and min fp16 [N, G], q in 0..15   w = q * scale + min
-//         the 32 bytes of pair p hold group 2p in their low nibbles and group 2p + 1 in their
-//         high nibbles (zero when G is odd), element j in byte j: one load, one AND and one
-//         shift give two whole groups in element order.
+// 32 input elements (G = K / 32 groups per row), with one fp16 scale (int4: and min) per group:
+//   int8: q int8 in -127..127                  w = q * scale
+//   int4: q in 0..15, two per byte             w = q * scale + min
+// Rows are stored in blocks of 4 groups (128 elements; the last block zero-padded), interleaved
+// so that the 8 int32 lanes of one 32-byte multiply-add hold partial sums of 4 different groups
+// (see `interleaved`): lane j of vector i (i = 0..3) holds elements 8i + 4(j / 4) .. + 3 of group
+// j % 4. Summing a block's 4 vectors lane-wise and folding the two 128-bit halves gives each
+// group's dot product with plain adds, where element-ordered groups need a horizontal-add tree
+// per group (vphaddd, several uops each on x86) that had made the multi-row kernel
+// compute-bound. int8 blocks are 128 bytes; int4 blocks 64: bytes 32h .. 32h + 31 hold vector 2h
+// in their low nibbles and vector 2h + 1 in their high nibbles.
 // Each row of x is quantized on the fly to int8 per group of 32 (x ~ xq * d, as llama.cpp's
-// Q8_0 activations), so a group's dot product is 32 integer multiply-adds (vpmaddubsw +
-// vpmaddwd). The integer sums of 8 groups are then reduced together (a vphaddd tree) into one
-// vector with a lane per group, converted once and scaled by 8 weight scales (one vcvtph2ps)
-// times 8 activation scales: the per-group scalar work (fp16 loads, broadcasts) that made the
-// first version compute-bound is gone. The int4 min term is sum_g min[g] * sum(x over group g),
-// 8 groups per FMA.
+// Q8_0 activations) into the same interleaved layout, so a group's dot product is 32 integer
+// multiply-adds (vpmaddubsw + vpmaddwd). Groups are then scaled 8 at a time: one vector with a
+// lane per group, converted once and scaled by 8 weight scales (one vcvtph2ps) times 8
+// activation scales. The int4 min term is sum_g min[g] * sum(x over group g), 8 groups per FMA.
 // Each output is summed in the same order whatever M is, so results are batch-invariant.
 // fp16 scales (as in ggml's Q8_0/Q4_1) keep the int4 format at 5 bits per weight, not 6.
 #include <torch/extension.h>
@@ -27,7 +30,16 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kSuper = 8;  // groups reduced together
+constexpr int64_t kSuper = 8;  // groups scaled together
+constexpr int64_t kBlock = 4;  // groups interleaved together
+constexpr int64_t kBlockElems = kBlock * kGroup;
+
+inline int64_t num_blocks(int64_t G) { return (G + kBlock - 1) / kBlock; }
+
+// Position of element e of group g in an interleaved row (int8 bytes; int4 values).
+inline int64_t interleaved(int64_t g, int64_t e) {
+  return g / kBlock * kBlockElems + 32 * (e / 8) + 4 * (g % kBlock + kBlock * (e / 4 % 2)) + e % 4;
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -53,8 +65,8 @@ inline __m256 load_h8(const at::Half* p, int64_t count) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
 }
 
-// Activations quantized per group: xq int8, d (scale) and s (exact sum) fp32. Each row is padded
-// with zero groups to a multiple of 8, so a row's last 8 groups can always be read whole.
+// Activations quantized per group: xq int8 (interleaved), d (scale) and s (exact sum) fp32. Each
+// row is padded with zero groups to a multiple of 8, so a row's last 8 groups can always be read whole.
 struct QuantX {
   int64_t G, Gp;
   std::vector<int8_t> q;
@@ -64,7 +76,8 @@ struct QuantX {
   const float* srow(int64_t m) const { return s.data() + m * Gp; }
 };
 
-inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+// Quantizes group g of a row (32 floats at x) into the interleaved int8 row `q`.
+inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s) {
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -77,8 +90,10 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
                 i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
   // The packs work per 128-bit lane; the permute puts the 4-byte runs back in element order.
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int32_t chunks[8];  // 4 elements each, in element order
+  _mm256_store_si256(reinterpret_cast<__m256i*>(chunks),
+                     _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  for (int c = 0; c < 8; ++c) std::memcpy(q + interleaved(g, 4 * c), &chunks[c], 4);
   *d = dd;
   *s = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
 }
@@ -90,30 +105,28 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / G, g = i % G;
-      quantize_group(x + i * kGroup, out.q.data() + (m * Gp + g) * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g]);
+      quantize_group(x + i * kGroup, g, out.q.data() + m * Gp * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g]);
     }
   });
   return out;
 }
 
-// The weight formats give the integer dot products of groups 2p and 2p + 1 of output row n
-// with R activation rows, as h[r] = vphaddd(dot(2p), dot(2p + 1)): one weight load serves all R
-// rows. Groups at or past `count` read as zero weights (the activation rows are zero there).
+// The weight formats give, for block b of output row n and R activation rows (pointers at the
+// block), one vector per row whose lanes j and j + 4 hold partial dot products of group j: one
+// weight load serves all R rows.
 struct Int8Weights {
   static constexpr bool kHasMin = false;
-  const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G;
+  const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   template <int R>
-  inline void pair(int64_t n, int64_t g0, int64_t p, int64_t count, const int8_t* const (&x)[R], __m256i (&h)[R]) const {
-    __m256i first[R];
-    for (int64_t i = 0; i < 2; ++i) {
-      const int64_t g = 2 * p + i;
-      const __m256i wv = g < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + (g0 + g) * kGroup))
-                                   : _mm256_setzero_si256();
+  __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
+    const int8_t* w = q + n * row_bytes + b * kBlockElems;
+    for (int i = 0; i < 4; ++i) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * i));
       const __m256i w_abs = _mm256_sign_epi8(wv, wv);  // |w| as u8; the sign moves onto x
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + g * kGroup));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * i));
         const __m256i d = madd_ones(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, wv)));
-        if (i == 0) first[r] = d; else h[r] = _mm256_hadd_epi32(first[r], d);
+        acc[r] = i ? _mm256_add_epi32(acc[r], d) : d;
       }
     }
   }
@@ -121,36 +134,41 @@ struct Int8Weights {
 
 struct Int4Weights {
   static constexpr bool kHasMin = true;
-  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G;
+  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   template <int R>
-  inline void pair(int64_t n, int64_t g0, int64_t p, int64_t count, const int8_t* const (&x)[R], __m256i (&h)[R]) const {
-    const __m256i bytes = 2 * p < count
-        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ((G + 1) / 2 * kGroup) + (g0 / 2 + p) * kGroup))
-        : _mm256_setzero_si256();  // g0 is a multiple of 8, so pairs never straddle a block of 8
+  __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
+    const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
-    for (int r = 0; r < R; ++r) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 2 * p * kGroup));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + (2 * p + 1) * kGroup));
-      h[r] = _mm256_hadd_epi32(madd_ones(_mm256_maddubs_epi16(lo, x0)), madd_ones(_mm256_maddubs_epi16(hi, x1)));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+      const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
+        const __m256i d = _mm256_add_epi32(madd_ones(_mm256_maddubs_epi16(lo, x0)),
+                                           madd_ones(_mm256_maddubs_epi16(hi, x1)));
+        acc[r] = h ? _mm256_add_epi32(acc[r], d) : d;
+      }
     }
   }
 };
 
-// Integer dot products of groups g0 .. g0 + 7 of output row n with R activation rows, as one
-// vector per row with a lane per group (a vphaddd tree over the 8 per-group vectors).
+// Integer dot products of groups g0 .. g0 + 7 (g0 a multiple of 8) of output row n with R
+// activation rows, as one vector per row with a lane per group: two blocks, each folded by halves.
 template <int R, class W>
-inline void sums8(const W& w, int64_t n, int64_t g0, int64_t count, const int8_t* const (&x)[R], __m256i (&out)[R]) {
-  __m256i a[R], b[R], t0[R];
-  w.template pair<R>(n, g0, 0, count, x, a);
-  w.template pair<R>(n, g0, 1, count, x, b);
-  for (int r = 0; r < R; ++r) t0[r] = _mm256_hadd_epi32(a[r], b[r]);
-  w.template pair<R>(n, g0, 2, count, x, a);
-  w.template pair<R>(n, g0, 3, count, x, b);
-  for (int r = 0; r < R; ++r) {
-    const __m256i t1 = _mm256_hadd_epi32(a[r], b[r]);  // t0 holds groups 0-3 by 128-bit half, t1 groups 4-7
-    out[r] = _mm256_add_epi32(_mm256_permute2x128_si256(t0[r], t1, 0x20), _mm256_permute2x128_si256(t0[r], t1, 0x31));
+__attribute__((always_inline)) inline void sums8(const W& w, int64_t n, int64_t g0, const int8_t* const (&x)[R], __m256i (&out)[R]) {
+  __m256i a[R], c[R];
+  const int64_t b = g0 / kBlock;
+  w.template block<R>(n, b, x, a);
+  if (b + 1 < num_blocks(w.G)) {
+    const int8_t* x2[R];
+    for (int r = 0; r < R; ++r) x2[r] = x[r] + kBlockElems;
+    w.template block<R>(n, b + 1, x2, c);
+  } else {
+    for (int r = 0; r < R; ++r) c[r] = _mm256_setzero_si256();
   }
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm256_add_epi32(_mm256_permute2x128_si256(a[r], c[r], 0x20), _mm256_permute2x128_si256(a[r], c[r], 0x31));
 }
 
 // Output row n against R input rows. Each output's sum runs in the same order whatever R is.
@@ -164,7 +182,7 @@ inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, 
     const int8_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = x.row(m0 + r) + g0 * kGroup;
     __m256i dots[R];
-    sums8<R>(w, n, g0, count, xr, dots);
+    sums8<R>(w, n, g0, xr, dots);
     const __m256 ws = load_h8(w.scale + n * G + g0, count);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(ws, _mm256_loadu_ps(x.drow(m0 + r) + g0)), acc[r]);
@@ -215,28 +233,32 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(),
+              "q must be contiguous int8 [N, ceil(K/128) * 128]");
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous 2-D fp32 CPU tensor");
+  const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * kBlockElems && scale.numel() == N * G,
+              "input width must equal the weight's and be a multiple of 32");
   check(x, K, scale, N);
   check_bias(bias, N);
-  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / kGroup}, x, N, bias);
+  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, G, q.size(1)}, x, N, bias);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
-              "q must be contiguous uint8 [N, ceil(K/64) * 32]");
+              "q must be contiguous uint8 [N, ceil(K/128) * 64]");
   TORCH_CHECK(x.dim() == 2, "x must be a contiguous 2-D fp32 CPU tensor");
   const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
-  // q's width fixes G up to one (pairs of groups); the scale's size fixes it exactly.
-  TORCH_CHECK(K % kGroup == 0 && q.size(1) == (G + 1) / 2 * kGroup && scale.numel() == N * G,
+  // q's width fixes G up to a block; the scale's size fixes it exactly.
+  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * kBlockElems / 2 && scale.numel() == N * G,
               "input width must equal the weight's and be a multiple of 32");
   check(x, K, scale, N);
   TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
               "min must be contiguous fp16 [N, K/32]");
   check_bias(bias, N);
-  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, G}, x, N,
-             bias);
+  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, G, q.size(1)},
+             x, N, bias);
 }
 
 // Quantizers: one pass over the fp32 weights. Values are rounded against the fp16 scale (and
@@ -251,8 +273,8 @@ void check_weight(const torch::Tensor& w) {
 
 std::vector<torch::Tensor> quantize_int8(torch::Tensor w) {
   check_weight(w);
-  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup;
-  auto q = torch::empty({N, K}, w.options().dtype(torch::kChar));
+  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup, row_bytes = num_blocks(G) * kBlockElems;
+  auto q = torch::zeros({N, row_bytes}, w.options().dtype(torch::kChar));  // padding groups stay 0
   auto scale = torch::empty({N, G}, w.options().dtype(torch::kHalf));
   const float* wp = w.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -264,8 +286,9 @@ std::vector<torch::Tensor> quantize_int8(torch::Tensor w) {
       for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(g[j]));
       sp[i] = f2h(amax / 127.f);
       const float d = _cvtsh_ss(sp[i]), inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* out = qp + i / G * row_bytes;
       for (int j = 0; j < kGroup; ++j)
-        qp[i * kGroup + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(g[j] * inv))));
+        out[interleaved(i % G, j)] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(g[j] * inv))));
     }
   });
   return {q, scale};
@@ -273,15 +296,15 @@ std::vector<torch::Tensor> quantize_int8(torch::Tensor w) {
 
 std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
   check_weight(w);
-  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup, row_bytes = (G + 1) / 2 * kGroup;
-  auto q = torch::zeros({N, row_bytes}, w.options().dtype(torch::kByte));  // an odd G leaves high nibbles 0
+  const int64_t N = w.size(0), K = w.size(1), G = K / kGroup, row_bytes = num_blocks(G) * kBlockElems / 2;
+  auto q = torch::zeros({N, row_bytes}, w.options().dtype(torch::kByte));  // padding groups stay 0
   auto scale = torch::empty({N, G}, w.options().dtype(torch::kHalf));
   auto min = torch::empty({N, G}, w.options().dtype(torch::kHalf));
   const float* wp = w.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   uint16_t* sp = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
   uint16_t* mp = reinterpret_cast<uint16_t*>(min.data_ptr<at::Half>());
-  // By rows: the two groups of a pair share bytes, so one thread writes a whole row.
+  // By rows: the groups of a block share bytes, so one thread writes a whole row.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t i = n0 * G; i < n1 * G; ++i) {
       const float* g = wp + i * kGroup;
@@ -290,11 +313,14 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
       mp[i] = f2h(lo);
       sp[i] = f2h((hi - lo) / 15.f);
       const float m = _cvtsh_ss(mp[i]), d = _cvtsh_ss(sp[i]), inv = d > 0.f ? 1.f / d : 0.f;
-      const int64_t n = i / G, gi = i % G, shift = (gi % 2) * 4;
-      uint8_t* out = qp + n * row_bytes + gi / 2 * kGroup;  // group gi's nibbles in pair gi / 2
-      for (int j = 0; j < kGroup; ++j)
-        out[j] |= static_cast<uint8_t>(
-            static_cast<uint8_t>(std::max(0.f, std::min(15.f, std::nearbyint((g[j] - m) * inv)))) << shift);
+      uint8_t* out = qp + i / G * row_bytes;
+      for (int j = 0; j < kGroup; ++j) {
+        // Interleaved position p: vector p / 32 of its block, byte p % 32; vectors 2h and 2h + 1
+        // share bytes 32h .. 32h + 31 (low and high nibbles).
+        const int64_t p = interleaved(i % G, j), v = p % kBlockElems / 32;
+        out[p / kBlockElems * (kBlockElems / 2) + v / 2 * 32 + p % 32] |= static_cast<uint8_t>(
+            static_cast<uint8_t>(std::max(0.f, std::min(15.f, std::nearbyint((g[j] - m) * inv)))) << (v % 2 * 4));
+      }
     }
   });
   return {q, scale, min};
@@ -307,7 +333,7 @@ void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp: fused norm / RoPE /
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32)");
-  m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K], scale fp16 [N, K/32])");
-  m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/64) * 32], scale, min fp16 [N, K/32])");
+  m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, ceil(K/128) * 128], scale fp16 [N, K/32])");
+  m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/128) * 64], scale, min fp16 [N, K/32])");
   m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)");
 }
