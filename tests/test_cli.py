@@ -74,11 +74,12 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     out = tmp_path / "spec.json"
     assert main(["bench", "speculative", "--model", tiny_qwen2, "--draft", tiny_qwen2, "--configs", "fixed-4",
                  "--prompts", "code", "--temperatures", "0,0.7", "--seeds", "1", "--output-tokens", "6",
-                 "--deterministic", "--out", str(out)]) == 0
+                 "--deterministic", "--weight-format", "fp32", "--speculative-weight-format", "fp32",
+                 "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["config"], r["temperature"]) for r in rows] == [
         ("target-only", 0.0), ("target-only", 0.7), ("fixed-4", 0.0), ("fixed-4", 0.7)]
     greedy = {r["config"]: r for r in rows if r["temperature"] == 0.0}
     assert greedy["fixed-4"]["greedy_tokens"] == greedy["target-only"]["greedy_tokens"]
-    assert greedy["fixed-4"]["acceptance_rate"] == 1.0  # the draft is the target itself
+    assert greedy["fixed-4"]["acceptance_rate"] == 1.0  # the draft is the target itself, same weights
     assert "ratio" in capsys.readouterr().out

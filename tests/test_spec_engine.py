@@ -4,6 +4,7 @@ page accounting after rejections, aborts and preemption, prefix-cache safety, st
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
@@ -99,8 +100,9 @@ def test_greedy_with_an_unrelated_smaller_draft_and_stop_token(tiny_qwen2, draft
 
 def test_identical_draft_accepts_every_token_with_sampling_filters(tiny_qwen2):
     """Draft = target: p and q must come out of the same penalties, temperature and filters,
-    position by position, or some drafts would be rejected."""
-    llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=4)
+    position by position, or some drafts would be rejected. (Both with the same weights: the
+    draft's default is int4.)"""
+    llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=4, weight_format="fp32", speculative_weight_format="fp32")
     params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.3,
                             presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6, seed=1, ignore_eos=False)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -244,3 +246,36 @@ def test_engine_stats_reach_worker_state_and_prometheus(tiny_qwen2, drafts):
     m.worker_state("cpu", msg.state)
     text = m.render().decode()
     assert f'hetserve:spec_decode{{counter="accepted",worker="cpu"}} {float(stats["accepted"])}' in text
+
+
+def test_draft_vocab_ids_keep_the_first_normal_tokens_and_every_control_token():
+    from hetserve.spec.proposer import draft_vocab_ids
+
+    # types: 1 normal, 3 control, 4 user-defined, 5 unused, 6 byte
+    types = [1, 1, 3, 1, 5, 1, 4, 6]
+    assert draft_vocab_ids(types, 2).tolist() == [0, 1, 2, 6, 7]
+    assert draft_vocab_ids(types, 100).tolist() == [0, 1, 2, 3, 5, 6, 7]
+
+
+def test_reduced_draft_vocabulary_scores_only_its_ids_and_keeps_output_exact(tiny_qwen2, drafts, target_only):
+    """The draft's restricted output layer gives the same logits on its ids and -inf elsewhere;
+    greedy output still equals the target's, and seeded sampling stays reproducible."""
+    full = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, speculative_draft_vocab=0)
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, speculative_draft_vocab=100)
+    draft, ref = llm.engine.proposer.model, full.engine.proposer.model
+    ids = draft.logit_ids
+    specials = [i for i in llm.tokenizer.special_token_ids if i < draft.num_logits]
+    assert len(ids) == 100 + len(specials) and set(specials) <= set(ids.tolist())
+    hidden = torch.randn(3, draft.config.hidden_size)
+    got, want = draft.compute_logits(hidden), ref.compute_logits(hidden)
+    outside = torch.ones(draft.num_logits, dtype=torch.bool)
+    outside[ids] = False
+    assert got.shape == want.shape and torch.equal(got[:, ids], want[:, ids])
+    assert torch.all(got[:, outside] == float("-inf"))
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+    stats = llm.engine.spec_stats()
+    assert stats["rounds"] > 0 and stats["accepted"] > 0, stats
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert tokens(first) == tokens(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    assert_pages_back(llm)

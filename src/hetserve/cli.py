@@ -36,6 +36,10 @@ _ENGINE_HELP = {
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
     "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",
     "spec_tv_budget": "mentored decoding: total-variation budget D per token (0 = lossless, 1 = accept every draft)",
+    "speculative_weight_format": "the draft's weights: auto (int4 where the CPU kernels run, else as the target), "
+                                 "fp32, int8 or int4; the target verifies every token, so the draft trades precision for speed",
+    "speculative_draft_vocab": "the draft scores only the N most frequent token ids plus the control tokens "
+                               "(0 = the whole vocabulary); output stays exact, only acceptance can change",
     "spec_k_min": "adaptive policies: smallest K",
     "spec_k_max": "adaptive policies: largest K",
     "spec_acceptance_low": "acceptance-rate policy: K - 1 when a round's acceptance is below this",

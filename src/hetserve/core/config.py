@@ -42,6 +42,8 @@ class EngineConfig:
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
     spec_policy: str = "fixed"  # or acceptance-rate, accepted-length, cost
+    speculative_weight_format: str = "auto"  # the draft's weights: auto (int4 where the CPU kernels run), fp32, int8, int4
+    speculative_draft_vocab: int = 32768  # the draft scores only the N most frequent token ids (0 = all)
     spec_tv_budget: float = 0.0  # mentored decoding: total-variation budget D (0 = lossless, 1 = accept all)
     spec_k_min: int = 1  # adaptive policies keep K within [spec_k_min, spec_k_max]
     spec_k_max: int = 8
@@ -64,8 +66,9 @@ class EngineConfig:
             raise ValueError(f"unknown single-flight mode {self.single_flight!r} (off, at-completion, after-prefill)")
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
-        if self.weight_format not in ("auto", "fp32", "int8", "int4"):
-            raise ValueError(f"unknown weight format {self.weight_format!r} (auto, fp32, int8, int4)")
+        for name in ("weight_format", "speculative_weight_format"):
+            if getattr(self, name) not in ("auto", "fp32", "int8", "int4"):
+                raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} (auto, fp32, int8, int4)")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
             raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
@@ -83,6 +86,9 @@ class EngineConfig:
         if isinstance(self.spec_k_min, bool) or not isinstance(self.spec_k_min, int) or \
                 not 0 <= self.spec_k_min <= self.spec_k_max:
             raise ValueError(f"spec_k_min must be an integer in [0, spec_k_max={self.spec_k_max}], got {self.spec_k_min!r}")
+        v = self.speculative_draft_vocab
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"speculative_draft_vocab must be a non-negative integer (0 = all), got {v!r}")
         for name in ("spec_tv_budget", "spec_acceptance_low", "spec_acceptance_high", "spec_ema_alpha"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:

@@ -14,7 +14,7 @@ from ..models import registry
 from ..models.decoder import DecoderModel
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
-from ..spec.proposer import check_same_vocab
+from ..spec.proposer import check_same_vocab, draft_vocab_ids
 from .config import EngineConfig
 from .engine import EngineCore
 
@@ -38,6 +38,9 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     torch_dtype = resolve_dtype(dtype, device)
     config = EngineConfig(device=device, dtype=str(torch_dtype).removeprefix("torch."), **engine_kwargs)
     config.weight_format = resolve_weight_format(config.weight_format, device)
+    # The draft only proposes (the target verifies every token), so by default it trades
+    # precision for speed: int4 where the CPU kernels run.
+    config.speculative_weight_format = resolve_weight_format(config.speculative_weight_format, device, auto="int4")
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
@@ -48,15 +51,19 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         with GGUFFile(draft_path) as f:
             # Checked before the draft's weights load, so a mismatch fails fast.
             draft_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
+            draft_types = [int(t) for t in f.metadata.get("tokenizer.ggml.token_type") or [1] * len(draft_tokens)]
             check_same_vocab(target_tokens, draft_tokens, len(target_tokens), len(draft_tokens),
                              config.speculative_model)
             draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f)
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)
-    for model in (decoder, draft):
+        ids = draft_vocab_ids(draft_types, config.speculative_draft_vocab)
+        if config.speculative_draft_vocab and len(ids) < len(draft_types):
+            draft.restrict_logits(ids)
+    for model, fmt in ((decoder, config.weight_format), (draft, config.speculative_weight_format)):
         if model is not None:
-            model.quantize_weights(config.weight_format)
+            model.quantize_weights(fmt)
             model.use_fused_ops()
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)

@@ -64,6 +64,8 @@ class DecoderModel:
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
         self.qkv_sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
         self.fused = None  # the native ops module when forward uses them (use_fused_ops)
+        self.num_logits = lm_head.out_features  # logit row width (restrict_logits keeps it)
+        self.logit_ids: torch.Tensor | None = None  # restrict_logits: the only ids scored
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -209,7 +211,21 @@ class DecoderModel:
         gate, up = gate_up.split(self.config.intermediate_size, dim=-1)
         return F.silu(gate) * up
 
+    def restrict_logits(self, ids: torch.Tensor) -> None:
+        """Score only `ids` from now on (the others read -inf): a draft model's reduced vocabulary.
+        The output layer keeps a copy of just those rows; call before quantize_weights."""
+        ids = ids.to(self.device)
+        head = self.lm_head
+        self.lm_head = Linear(head.weight[ids].contiguous(), None if head.bias is None else head.bias[ids],
+                              self.policy, name=head.name)
+        self.logit_ids = ids
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with trace.span("lm_head", rows=hidden.shape[0]):
-            return self.lm_head(hidden).float()
+            logits = self.lm_head(hidden).float()
+        if self.logit_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.num_logits), float("-inf"))
+        full[:, self.logit_ids] = logits
+        return full
