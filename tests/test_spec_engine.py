@@ -279,3 +279,13 @@ def test_reduced_draft_vocabulary_scores_only_its_ids_and_keeps_output_exact(tin
     first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert tokens(first) == tokens(llm.generate(PROMPTS[:2], params, use_tqdm=False))
     assert_pages_back(llm)
+
+
+def test_cost_policy_measures_step_costs_at_start(tiny_qwen2, drafts, target_only):
+    llm = make(tiny_qwen2, drafts["near"], spec_policy="cost", spec_k_max=5)
+    pol = llm.engine.spec_policy
+    assert sorted(pol.target.points) == list(range(1, 7)) and pol.target.known
+    assert list(pol.draft.points) == [1] and pol.draft.known
+    assert all(v > 0 for v in pol.target.points.values())
+    assert_pages_back(llm)  # the scratch forwards hold no page
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only

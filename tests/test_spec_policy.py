@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetserve.spec.policy import CostPolicy, LinearCost, PolicyConfig, make_policy
+from hetserve.spec.policy import CostPolicy, PolicyConfig, StepCosts, make_policy
 
 
 def run(policy, rounds):
@@ -43,15 +43,22 @@ def test_accepted_length_follows_smoothed_accepts():
     assert st.k == 1
 
 
-def test_linear_cost_fit():
-    c = LinearCost(decay=1.0)
-    for n in (1, 2, 5, 9, 1, 5):
-        c.add(n, 0.1 + 0.02 * n)
-    assert abs(c.predict(3) - 0.16) < 1e-9 and abs(c.predict(20) - 0.5) < 1e-9
-    flat = LinearCost()
+def test_step_costs_interpolate_and_extrapolate_measured_sizes():
+    c = StepCosts(weight=0.5)
+    for n, sec in ((1, 0.06), (2, 0.066), (4, 0.09), (5, 0.11)):
+        c.add(n, sec)
+    assert c.predict(1) == 0.06 and c.predict(0.5) == 0.06  # flat below the smallest size
+    assert abs(c.predict(3) - 0.078) < 1e-12  # linear between 2 and 4
+    assert abs(c.predict(9) - 0.19) < 1e-12  # past 5: the slope of 4 -> 5
+    c.add(4, 0.07)  # an exponential average per size
+    assert abs(c.predict(4) - 0.08) < 1e-12
+    flat = StepCosts()
     flat.add(4, 0.3)
-    flat.add(4, 0.5)
-    assert abs(flat.predict(10) - 0.4) < 0.01  # one size seen: no slope to extrapolate
+    assert not flat.known and flat.predict(10) == 0.3  # one size seen: no slope to extrapolate
+    dropping = StepCosts()
+    dropping.add(1, 0.5)
+    dropping.add(2, 0.4)
+    assert dropping.known and dropping.predict(6) == 0.4  # never cheaper with more tokens
 
 
 def cost_policy(target_a, target_b, draft_s, k_max=8) -> CostPolicy:

@@ -12,7 +12,7 @@ from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
 from ..spec.policy import CostPolicy, PolicyConfig, make_policy, spec_summary
-from ..spec.proposer import DraftProposer
+from ..spec.proposer import DraftProposer, time_forward
 from .config import EngineConfig, parse_bytes
 from .flight import FlightCoordinator
 from .model_runner import ModelRunner
@@ -86,6 +86,8 @@ class EngineCore:
                                    draft_len=self._draft_len if draft_model else None)
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids, config.spec_tv_budget)
         self.requests: dict[str, Request] = {}
+        if isinstance(self.spec_policy, CostPolicy):
+            self._measure_spec_costs()
         self._profiler = _torch_profiler(config.torch_profile) if config.torch_profile else None
         log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
                  num_pages * per_page / 2**20)
@@ -243,6 +245,25 @@ class EngineCore:
         k = self.spec_policy.draft_len(req.spec)
         return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
+
+    def _measure_spec_costs(self) -> None:
+        """The cost policy's first choices rest on measurements, not on probing with live
+        requests: time target forwards of 1 .. k_max + 1 tokens and a one-token draft forward on
+        the first pages. Every page is free at start, and a request overwrites a page's KV before
+        it reads it."""
+        pol, page_size = self.spec_policy, self.config.page_size
+        pages = list(range(-(-(pol.cfg.k_max + 1) // page_size)))
+        if len(pages) > self.pool.num_blocks:
+            return
+        t0 = time.perf_counter()
+        time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
+        for n in range(1, pol.cfg.k_max + 2):
+            pol.target.add(n, time_forward(self.model, self.runner.kv_caches, n, pages, page_size))
+        for _ in range(2):
+            pol.draft.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 1, pages, page_size))
+        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms", time.perf_counter() - t0,
+                 [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
+                 pol.draft.predict(1) * 1e3)
 
     def _propose(self, sched) -> float | None:
         """Draft tokens for the requests scheduled with K > 0; returns the mean seconds of a draft

@@ -69,6 +69,24 @@ class Proposal:
     probs: torch.Tensor | None  # [k, V] draft distributions the tokens were drawn from; None when greedy
 
 
+@torch.inference_mode()
+def time_forward(model: DecoderModel, kv_caches, tokens: int, pages: list[int], page_size: int,
+                 repeats: int = 3) -> float:
+    """Median seconds of a forward of `tokens` new tokens (with their logits) on `pages`, whose
+    KV it overwrites: the cost policy's start-up measurement."""
+    dev = model.device
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        meta = AttentionMetadata.build([tokens], [tokens], [pages], page_size, dev,
+                                       per_query=model.policy.deterministic)
+        hidden = model.forward(torch.zeros(tokens, dtype=torch.long, device=dev),
+                               torch.arange(tokens, device=dev), meta, kv_caches)
+        model.compute_logits(hidden).sum().item()  # waits for the device
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 RowFor = Callable[[object, list[int]], SamplingRow]  # (request, drafts so far) -> the row at that position
 
 
