@@ -146,7 +146,7 @@ class CostPolicy(DraftPolicy):
 
     probe_every = 16
     max_probe_interval = 256
-    decay = 0.9
+    decay = 0.97  # per verification round; a window of about 30 rounds keeps noise from stopping a paying draft
     prior_weight = 2.0
 
     def __init__(self, cfg: PolicyConfig):
