@@ -147,15 +147,18 @@ class CostPolicy(DraftPolicy):
     probe_every = 16
     max_probe_interval = 256
     decay = 0.97  # per verification round; a window of about 30 rounds keeps noise from stopping a paying draft
-    prior_weight = 2.0
+    # A request's acceptance starts as 8 trials at the engine-wide rate, which starts as 8 trials
+    # at 50%: a few rejections at the start of a text (creative writing often opens unpredictably)
+    # must not stop a draft that pays later, since stopping also costs catch-ups on every probe.
+    prior_weight = 8.0
 
     def __init__(self, cfg: PolicyConfig):
         super().__init__(cfg)
         self.target = StepCosts()
         self.draft = StepCosts()
         self.batch = 1
-        self.global_successes = 1.0  # a weak 50% prior
-        self.global_trials = 2.0
+        self.global_successes = 4.0
+        self.global_trials = 8.0
 
     def alpha(self, st: SpecState) -> float:
         g = self.global_successes / self.global_trials
