@@ -136,6 +136,8 @@ def test_cost_policy_measures_before_choosing():
     (dict(spec_tv_budget=1.5), "spec_tv_budget must be a number in"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens must be a positive integer"),
     (dict(spec_k_min=5, spec_k_max=3), "spec_k_min must be an integer in"),
+    (dict(speculative_draft_vocab=-1), "speculative_draft_vocab must be a non-negative integer"),
+    (dict(speculative_weight_format="int3"), "unknown speculative weight format 'int3'"),
 ])
 def test_config_rejects_bad_speculative_settings(kw, needle):
     from hetserve.core.config import EngineConfig
