@@ -218,12 +218,15 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   return y;
 }
 
-void check(const torch::Tensor& x, int64_t K, const torch::Tensor& scale, int64_t N) {
+// x [M, K] against weights q [N, ceil(G/4) * block_bytes] (G = K/32 groups, `block_bytes` per
+// block of 4) with scale [N, G]: q's width fixes G up to a block, the scale's size exactly.
+void check(const torch::Tensor& x, const torch::Tensor& q, int64_t block_bytes, const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D fp32 CPU tensor");
-  TORCH_CHECK(x.size(1) == K && K % kGroup == 0, "input width must equal the weight's and be a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kGroup),
-              "scale must be contiguous fp16 [N, K/32]");
+  const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * block_bytes && scale.numel() == N * G,
+              "input width must equal the weight's and be a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous(), "scale must be contiguous fp16 [N, K/32]");
 }
 
 void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -235,29 +238,24 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(),
               "q must be contiguous int8 [N, ceil(K/128) * 128]");
-  TORCH_CHECK(x.dim() == 2, "x must be a contiguous 2-D fp32 CPU tensor");
-  const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * kBlockElems && scale.numel() == N * G,
-              "input width must equal the weight's and be a multiple of 32");
-  check(x, K, scale, N);
+  check(x, q, kBlockElems, scale);
+  const int64_t N = q.size(0), K = x.size(1);
   check_bias(bias, N);
-  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, G, q.size(1)}, x, N, bias);
+  return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / kGroup, q.size(1)}, x, N,
+             bias);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min,
                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
               "q must be contiguous uint8 [N, ceil(K/128) * 64]");
-  TORCH_CHECK(x.dim() == 2, "x must be a contiguous 2-D fp32 CPU tensor");
-  const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
-  // q's width fixes G up to a block; the scale's size fixes it exactly.
-  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * kBlockElems / 2 && scale.numel() == N * G,
-              "input width must equal the weight's and be a multiple of 32");
-  check(x, K, scale, N);
+  check(x, q, kBlockElems / 2, scale);
   TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
               "min must be contiguous fp16 [N, K/32]");
+  const int64_t N = q.size(0), K = x.size(1);
   check_bias(bias, N);
-  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, G, q.size(1)},
+  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, K / kGroup,
+                         q.size(1)},
              x, N, bias);
 }
 
