@@ -58,9 +58,10 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)
-        ids = draft_vocab_ids(draft_types, config.speculative_draft_vocab)
-        if config.speculative_draft_vocab and len(ids) < len(draft_types):
-            draft.restrict_logits(ids)
+        if config.speculative_draft_vocab:
+            ids = draft_vocab_ids(draft_types, config.speculative_draft_vocab)
+            if len(ids) < len(draft_types):
+                draft.restrict_logits(ids)
     for model, fmt in ((decoder, config.weight_format), (draft, config.speculative_weight_format)):
         if model is not None:
             model.quantize_weights(fmt)

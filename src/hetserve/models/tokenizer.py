@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tokenizers
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from hetserve.models.chat_template import (
@@ -52,7 +53,7 @@ _PRE_TOKENIZERS = {
     "llama3": (_LLAMA3_SPLIT, False, True),
     "llama-v3": (_LLAMA3_SPLIT, False, True),
 }
-_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+_CONTROL, _USER_DEFINED = TokenType.CONTROL, TokenType.USER_DEFINED
 _STOP_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from gguf import TokenType
 
 from .. import trace
 from ..layers.attention import AttentionMetadata
@@ -40,10 +41,6 @@ def check_same_vocab(target_tokens: list[str], draft_tokens: list[str], target_v
                                      "the draft and target must share a tokenizer")
 
 
-NORMAL_TOKEN = 1  # GGUF tokenizer.ggml.token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-UNUSED_TOKEN = 5
-
-
 def draft_vocab_ids(token_types: list[int], n: int) -> torch.Tensor:
     """The ids a draft with a reduced vocabulary scores (as FR-Spec, Zhao et al. 2025): the first n
     normal tokens and every other used token (control tokens such as end-of-turn must stay
@@ -53,11 +50,11 @@ def draft_vocab_ids(token_types: list[int], n: int) -> torch.Tensor:
     makes the draft's output layer, a quarter of a 0.5B model's weights, several times smaller."""
     ids, normal = [], 0
     for i, ty in enumerate(token_types):
-        if ty == NORMAL_TOKEN:
+        if ty == TokenType.NORMAL:
             normal += 1
             if normal > n:
                 continue
-        elif ty == UNUSED_TOKEN:
+        elif ty == TokenType.UNUSED:
             continue
         ids.append(i)
     return torch.tensor(ids, dtype=torch.long)
