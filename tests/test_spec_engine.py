@@ -115,6 +115,27 @@ def test_identical_draft_accepts_every_token_with_sampling_filters(tiny_qwen2):
     assert_pages_back(llm)
 
 
+def test_draft_reads_prompt_chunks_in_the_targets_prefill_steps(tiny_qwen2):
+    """The draft mirrors each prefill chunk (and a prefix-cache hit it did not compute), so the
+    first round catches up over the first output token only. An identical draft must then still
+    accept every token: its KV from the prefill steps is the right one."""
+    llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=3, max_num_batched_tokens=6,
+               weight_format="fp32", speculative_weight_format="fp32")
+    eng = llm.engine
+    prompt = list(range(200, 218))  # chunks of 6 (a last chunk of 1 token would verify drafts already)
+    for rid in ("a", "b"):  # "b" hits the pages "a" published; only the target's KV comes back
+        eng.add_request(Request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+        req = eng.requests[rid]
+        while eng.has_unfinished_requests():
+            before = req.num_computed_tokens
+            eng.step()
+            if before < len(prompt):  # a prefill step: the draft is level with the target
+                assert req.num_draft_computed == req.num_computed_tokens
+        assert req.num_cached_tokens == (0 if rid == "a" else 16)
+        assert req.spec.accepted == req.spec.proposed > 0
+    assert_pages_back(llm)
+
+
 def test_seeded_sampling_reproducible_and_batch_independent(tiny_qwen2, drafts):
     llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3)
     params = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in range(len(PROMPTS))]

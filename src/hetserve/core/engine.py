@@ -182,6 +182,8 @@ class EngineCore:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV pool too small?)")
             return []
+        if self.proposer is not None:
+            self._draft_prefill(sched)
         draft_seconds = self._propose(sched) if sched.num_drafts else None
         t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
@@ -264,6 +266,22 @@ class EngineCore:
         log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms", time.perf_counter() - t0,
                  [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
                  pol.draft.predict(1) * 1e3)
+
+    def _draft_prefill(self, sched) -> None:
+        """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a
+        request's first round proposes at once: catching up over a whole prompt inside a decode
+        step would stall every running request (about 1 s for a 100-token prompt on the 0.5B
+        draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
+        of the target's for 0.5B/1.5B); its span also covers what a prefix-cache hit restored
+        for the target only. Skipped where no round would draft: K = 0 now (the cost policy's
+        judgement), a prefill-only request (its KV leaves for a decode worker without the
+        draft's), a decode step."""
+        batch = [(req, req.num_computed_tokens + n) for req, n in sched.scheduled
+                 if (n > 1 or req.num_computed_tokens < req.num_prompt_tokens) and req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
+                 and self._draft_len(req) > 0]
+        if batch:
+            with trace.span("draft prefill", requests=len(batch)):
+                self.proposer.prefill(batch)
 
     def _propose(self, sched) -> float | None:
         """Draft tokens for the requests scheduled with K > 0; returns the mean seconds of a draft

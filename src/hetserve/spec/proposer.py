@@ -3,9 +3,11 @@
 The draft's KV cache has as many slots as the target's and is addressed through the
 target's block tables, so page allocation, freeing and preemption stay one mechanism.
 What the draft has computed is tracked by its own counter per request
-(`num_draft_computed`): every round first catches up over the tokens it lacks (the
-whole prompt on a request's first round, since prefix-cache hits restore only the
-target's KV; one or two tokens afterwards), then runs one-token forwards for the
+(`num_draft_computed`). The engine has the draft read each prompt chunk in the step the
+target prefills it (`prefill`; prefix-cache hits restore only the target's KV, so the
+draft's span starts wherever it left off). Every round then first catches up over the
+tokens the draft still lacks (one or two after a verification; more after rounds without
+drafts, or for a request the draft did not prefill) and runs one-token forwards for the
 remaining drafts. Works on any objects with the Request fields it reads.
 """
 
@@ -94,6 +96,35 @@ class DraftProposer:
         self.kv_caches = model.allocate_kv_cache(num_slots)
         self.last_forward_seconds = 0.0  # mean seconds of one draft forward in the last round
 
+    def _forward(self, spans: list[tuple[object, int, list[int]]], logits: bool) -> torch.Tensor | None:
+        """One batched draft forward: per request (req, first position, tokens from there).
+        Returns the logits at each request's last token, or None."""
+        ids, positions, qlens, clens, tables = [], [], [], [], []
+        for req, start, toks in spans:
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            qlens.append(len(toks))
+            clens.append(start + len(toks))
+            tables.append(req.block_ids)
+        dev = self.model.device
+        meta = AttentionMetadata.build(qlens, clens, tables, self.page_size, dev,
+                                       per_query=self.model.policy.deterministic)
+        with trace.span("draft", requests=len(spans), tokens=len(ids)):
+            hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                        meta, self.kv_caches)
+            for (req, _, _), end in zip(spans, clens):
+                req.num_draft_computed = end
+            if not logits:
+                return None
+            return self.model.compute_logits(hidden[torch.tensor(qlens, device=dev).cumsum(0) - 1])
+
+    @torch.inference_mode()
+    def prefill(self, batch: list[tuple[object, int]]) -> None:
+        """batch: (request, end). The draft reads tokens num_draft_computed .. end - 1 (a prompt
+        chunk the target prefills in the same step), without logits."""
+        self._forward([(req, req.num_draft_computed, req.all_token_ids[req.num_draft_computed:end])
+                       for req, end in batch], logits=False)
+
     @torch.inference_mode()
     def propose(self, batch: list[tuple[object, int]], row_for: RowFor) -> dict[str, Proposal]:
         """batch: (request, k >= 1). Returns k draft tokens per request (and their distributions)."""
@@ -104,27 +135,10 @@ class DraftProposer:
         active = list(batch)
         step = 0
         while active:
-            ids, positions, qlens, clens, tables = [], [], [], [], []
-            for req, _ in active:
-                if step == 0:
-                    start, toks = req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]
-                else:
-                    start, toks = req.num_tokens + step - 1, out[req.request_id].tokens[-1:]
-                ids.extend(toks)
-                positions.extend(range(start, start + len(toks)))
-                qlens.append(len(toks))
-                clens.append(start + len(toks))
-                tables.append(req.block_ids)
-            dev = self.model.device
-            meta = AttentionMetadata.build(qlens, clens, tables, self.page_size, dev,
-                                           per_query=self.model.policy.deterministic)
-            with trace.span("draft", requests=len(active), tokens=len(ids)):
-                hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                            meta, self.kv_caches)
-                last = torch.tensor(qlens, device=dev).cumsum(0) - 1
-                logits = self.model.compute_logits(hidden[last])
+            spans = [(req, req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]) if step == 0
+                     else (req, req.num_tokens + step - 1, out[req.request_id].tokens[-1:]) for req, _ in active]
+            logits = self._forward(spans, logits=True)
             for i, (req, _) in enumerate(active):
-                req.num_draft_computed = clens[i]
                 prop = out[req.request_id]
                 row = row_for(req, prop.tokens)
                 if row.params.greedy:
