@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
-from hetserve.layers.sampler import SamplingRow, apply_penalties, sample
+from hetserve.layers.sampler import SamplingRow, apply_penalties, draw, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.1, -0.3, -1.0, -2.0, 0.9, 1.1])
 
@@ -62,6 +62,16 @@ def test_token_frequencies_match_filtered_softmax(temperature, top_k, top_p, min
     stat = float((((counts[kept] - n * p[kept]) ** 2) / (n * p[kept])).sum())
     # Bound: the 99.9% quantile of chi-square with (kept tokens - 1) degrees of freedom.
     assert stat < chi2_critical(int(kept.sum()) - 1), (stat, counts, p)
+
+
+def test_draw_never_picks_a_zero_probability_token(monkeypatch):
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    assert {draw(probs, gen) for _ in range(2000)} == {1, 3, 4}
+    # A uniform that rounds up to the whole sum lands on the last token with probability > 0.
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert draw(probs, gen) == 4
+    assert draw(torch.tensor([0.0, 1.0]), gen) == 1
 
 
 def test_penalties_follow_their_definitions():

@@ -22,7 +22,7 @@ from gguf import TokenType
 
 from .. import trace
 from ..layers.attention import AttentionMetadata
-from ..layers.sampler import SamplingRow, apply_penalties, distribution
+from ..layers.sampler import SamplingRow, apply_penalties, distribution, draw
 from ..models.decoder import DecoderModel
 
 
@@ -145,7 +145,7 @@ class DraftProposer:
                     prop.tokens.append(int(apply_penalties(logits[i], row).argmax()))
                 else:
                     q = distribution(logits[i], row)
-                    prop.tokens.append(int(torch.multinomial(q, 1, generator=req.generator)))
+                    prop.tokens.append(draw(q, req.generator))
                     probs[req.request_id].append(q)
             step += 1
             active = [(req, k) for req, k in active if k > step]

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.sampler import draw
+
 
 def mentored_target(p: torch.Tensor, q: torch.Tensor, tv_budget: torch.Tensor) -> torch.Tensor:
     """pi for distributions p, q [..., V] and a budget D broadcastable to [..., 1]."""
@@ -97,12 +99,4 @@ def _uniform(b: int, k: int, num_drafts: list[int], generators, default_generato
 
 
 def _draw(probs: torch.Tensor, generators, default_generator) -> list[int]:
-    shared = [i for i, g in enumerate(generators) if g is None]
-    out = [0] * probs.shape[0]
-    if shared:
-        for i, t in zip(shared, torch.multinomial(probs[shared], 1, generator=default_generator)[:, 0].tolist()):
-            out[i] = t
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = int(torch.multinomial(probs[i], 1, generator=g))
-    return out
+    return [draw(row, default_generator if g is None else g) for row, g in zip(probs, generators)]
