@@ -116,7 +116,9 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
 // weight load serves all R rows.
 struct Int8Weights {
   static constexpr bool kHasMin = false;
+  static constexpr int kSuperBytes = kSuper * kGroup;  // bytes of weights per 8 groups
   const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
+  const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup; }
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const int8_t* w = q + n * row_bytes + b * kBlockElems;
@@ -134,7 +136,9 @@ struct Int8Weights {
 
 struct Int4Weights {
   static constexpr bool kHasMin = true;
+  static constexpr int kSuperBytes = kSuper * kGroup / 2;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
+  const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup / 2; }
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
@@ -171,6 +175,14 @@ __attribute__((always_inline)) inline void sums8(const W& w, int64_t n, int64_t 
     out[r] = _mm256_add_epi32(_mm256_permute2x128_si256(a[r], c[r], 0x20), _mm256_permute2x128_si256(a[r], c[r], 0x31));
 }
 
+// Software prefetch distance in the weight stream. Each thread reads its output rows' weights
+// as one sequential stream, yet the hardware prefetcher alone left the kernel short of memory
+// bandwidth: asking for the bytes 2 KiB ahead made a 1.5B model's matmuls 6% faster at 1 row
+// and 13-17% at 2-4 rows (scratch benchmark over 352 MB of distinct weights; 1, 4 and 8 KiB
+// did about as well, rows-ahead distances too). Prefetches never fault, so the last rows'
+// reach past the end of the weights is harmless.
+constexpr int64_t kPrefetchAhead = 2048;
+
 // Output row n against R input rows. Each output's sum runs in the same order whatever R is.
 template <int R, class W>
 inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, const float* bias, float* y) {
@@ -179,6 +191,8 @@ inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, 
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < G; g0 += kSuper) {
     const int64_t count = std::min(kSuper, G - g0);
+    const char* ahead = w.bytes(n, g0) + kPrefetchAhead;
+    for (int l = 0; l < W::kSuperBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
     const int8_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = x.row(m0 + r) + g0 * kGroup;
     __m256i dots[R];
