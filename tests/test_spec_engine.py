@@ -116,14 +116,19 @@ def test_identical_draft_accepts_every_token_with_sampling_filters(tiny_qwen2):
 
 
 def test_draft_reads_prompt_chunks_in_the_targets_prefill_steps(tiny_qwen2):
-    """The draft mirrors each prefill chunk (and a prefix-cache hit it did not compute), so the
-    first round catches up over the first output token only. An identical draft must then still
-    accept every token: its KV from the prefill steps is the right one."""
+    """The draft mirrors each prefill chunk, so the first round catches up over the first output
+    token only; a prefix-cache hit restores the draft's KV of the pages it had computed. An
+    identical draft must then still accept every token: its KV from both is the right one."""
     llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=3, max_num_batched_tokens=6,
                weight_format="fp32", speculative_weight_format="fp32")
     eng = llm.engine
+    spans = []
+    prefill = eng.proposer.prefill
+    eng.proposer.prefill = lambda batch: (spans.extend((r.num_draft_computed, end) for r, end in batch),
+                                          prefill(batch))
     prompt = list(range(200, 218))  # chunks of 6 (a last chunk of 1 token would verify drafts already)
-    for rid in ("a", "b"):  # "b" hits the pages "a" published; only the target's KV comes back
+    for rid in ("a", "b"):  # "b" hits the 4 full pages "a" published, with the draft's KV
+        spans.clear()
         eng.add_request(Request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
         req = eng.requests[rid]
         while eng.has_unfinished_requests():
@@ -132,7 +137,12 @@ def test_draft_reads_prompt_chunks_in_the_targets_prefill_steps(tiny_qwen2):
             if before < len(prompt):  # a prefill step: the draft is level with the target
                 assert req.num_draft_computed == req.num_computed_tokens
         assert req.num_cached_tokens == (0 if rid == "a" else 16)
+        assert spans == ([(0, 6), (6, 12), (12, 18)] if rid == "a" else [(16, 18)])
         assert req.spec.accepted == req.spec.proposed > 0
+    # Pages that change hands lose the mark: a full pool evicts every cached page.
+    assert eng.pool.draft_ready.any()
+    eng.scheduler.pool.free(eng.scheduler.pool.allocate(eng.pool.num_blocks))
+    assert not eng.pool.draft_ready.any()
     assert_pages_back(llm)
 
 

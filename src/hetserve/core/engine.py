@@ -272,8 +272,8 @@ class EngineCore:
         request's first round proposes at once: catching up over a whole prompt inside a decode
         step would stall every running request (about 1 s for a 100-token prompt on the 0.5B
         draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
-        of the target's for 0.5B/1.5B); its span also covers what a prefix-cache hit restored
-        for the target only. Skipped where no round would draft: K = 0 now (the cost policy's
+        of the target's for 0.5B/1.5B); its span also covers restored pages that lacked the
+        draft's KV (BlockPool.draft_ready). Skipped where no round would draft: K = 0 now (the cost policy's
         judgement), a prefill-only request (its KV leaves for a decode worker without the
         draft's), a decode step."""
         batch = [(req, req.num_computed_tokens + n) for req, n in sched.scheduled

@@ -57,6 +57,7 @@ class Request:
         # Speculative decoding: KV positions the draft model has computed (its own progress counter),
         # this step's unverified drafts (never in all_token_ids) and the policy's state and stats.
         self.num_draft_computed = 0
+        self.num_draft_ready_pages = 0  # leading pages marked draft-ready in the pool
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
         self.spec = None

@@ -77,7 +77,7 @@ class Scheduler:
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
-        req.num_draft_computed = 0
+        req.num_draft_computed = req.num_draft_ready_pages = 0
 
     def trim(self, req: Request) -> None:
         """Give back pages past the request's tokens (they held rejected drafts only)."""
@@ -103,14 +103,24 @@ class Scheduler:
         req.block_ids = pages
         req.num_computed_tokens = len(pages) * self.pool.page_size
         req.num_published_pages = len(pages)
+        ready = 0  # the draft model's KV comes back for the leading pages that hold it
+        while ready < len(pages) and self.pool.draft_ready[pages[ready]]:
+            ready += 1
+        req.num_draft_ready_pages = ready
+        req.num_draft_computed = ready * self.pool.page_size
         if req.metrics.first_scheduled_time is None:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
 
     def publish(self, req: Request) -> None:
-        """Make the request's computed full pages reusable (never tokens whose KV is not computed)."""
+        """Make the request's computed full pages reusable (never tokens whose KV is not computed),
+        and mark the full pages the draft model has computed as holding its KV too."""
         if self.prefix_cache is None:
             return
         ps = self.pool.page_size
+        drafted = req.num_draft_computed // ps
+        if drafted > req.num_draft_ready_pages:
+            self.pool.draft_ready[req.block_ids[req.num_draft_ready_pages:drafted]] = True
+            req.num_draft_ready_pages = drafted
         full = req.num_computed_tokens // ps
         if full <= req.num_published_pages:
             return

@@ -35,6 +35,10 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._cached = np.zeros(num_blocks, dtype=bool)
         self._refs = [0] * num_blocks
+        # Pages whose draft-model KV is complete (speculative decoding: the draft's cache uses the
+        # same page ids). A cached page keeps it, so a prefix-cache hit restores the draft's KV
+        # too; a page that changes hands loses it.
+        self.draft_ready = np.zeros(num_blocks, dtype=bool)
         self.on_evict: Callable[[int], None] = lambda page: None
 
     # -- counts --------------------------------------------------------------------------------
@@ -65,11 +69,13 @@ class BlockPool:
         self._clean[b] = False
         self._num_clean -= 1
         self._refs[b] = 1
+        self.draft_ready[b] = False
         return b
 
     def _evict_one(self) -> int:
         page, _ = self._evictable.popitem(last=False)
         self._cached[page] = False
+        self.draft_ready[page] = False
         self.on_evict(page)
         self._refs[page] = 1
         return page
