@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
-from hetserve.layers.sampler import SamplingRow, apply_penalties, draw, sample
+from hetserve.layers.sampler import SamplingRow, apply_penalties, draw, filter_logits, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.1, -0.3, -1.0, -2.0, 0.9, 1.1])
 
@@ -62,6 +62,18 @@ def test_token_frequencies_match_filtered_softmax(temperature, top_k, top_p, min
     stat = float((((counts[kept] - n * p[kept]) ** 2) / (n * p[kept])).sum())
     # Bound: the 99.9% quantile of chi-square with (kept tokens - 1) degrees of freedom.
     assert stat < chi2_critical(int(kept.sum()) - 1), (stat, counts, p)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_on_a_large_vocabulary_keeps_the_reference_set(top_p):
+    """filter_logits sorts only the most probable tokens, growing their number until they hold
+    top_p: the kept set must equal the full-sort rule's on a vocabulary far larger than that."""
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=1)
+    for seed in range(5):
+        logits = torch.randn(20000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * (seed + 1)
+        kept = torch.isfinite(filter_logits(logits.float(), params)).numpy()
+        expected = expected_probs(logits.numpy(), 1.0, 0, top_p, 0.0) > 0
+        assert (kept == expected).all(), (seed, kept.sum(), expected.sum())
 
 
 def test_draw_never_picks_a_zero_probability_token(monkeypatch):
