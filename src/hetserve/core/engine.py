@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 import torch
@@ -259,8 +260,16 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
-        for n in range(1, pol.cfg.k_max + 2):
-            pol.target.add(n, time_forward(self.model, self.runner.kv_caches, n, pages, page_size))
+        # Sizes interleaved, three passes, median per size: a burst of load from elsewhere on a
+        # shared machine then spoils one sample of several sizes, not every sample of one size
+        # (which would tilt the policy towards or away from that K).
+        sizes = range(1, pol.cfg.k_max + 2)
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(3):
+            for n in sizes:
+                samples[n].append(time_forward(self.model, self.runner.kv_caches, n, pages, page_size, repeats=1))
+        for n in sizes:
+            pol.target.add(n, statistics.median(samples[n]))
         for _ in range(2):
             pol.draft.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 1, pages, page_size))
         log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms", time.perf_counter() - t0,
