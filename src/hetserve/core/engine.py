@@ -282,12 +282,15 @@ class EngineCore:
         step would stall every running request (about 1 s for a 100-token prompt on the 0.5B
         draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
         of the target's for 0.5B/1.5B); its span also covers restored pages that lacked the
-        draft's KV (BlockPool.draft_ready). Skipped where no round would draft: K = 0 now (the cost policy's
-        judgement), a prefill-only request (its KV leaves for a decode worker without the
-        draft's), a decode step."""
-        batch = [(req, req.num_computed_tokens + n) for req, n in sched.scheduled
-                 if (n > 1 or req.num_computed_tokens < req.num_prompt_tokens) and req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
-                 and self._draft_len(req) > 0]
+        draft's KV (BlockPool.draft_ready). Skipped where no round would draft: K = 0 now (the
+        cost policy's judgement), a prefill-only request (its KV leaves for a decode worker
+        without the draft's), a decode step."""
+        batch = []
+        for req, n in sched.scheduled:
+            prefilling = n > 1 or req.num_computed_tokens < req.num_prompt_tokens
+            if (prefilling and req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
+                    and self._draft_len(req) > 0):
+                batch.append((req, req.num_computed_tokens + n))
         if batch:
             with trace.span("draft prefill", requests=len(batch)):
                 self.proposer.prefill(batch)
