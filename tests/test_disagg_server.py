@@ -81,7 +81,7 @@ def test_a_dead_decode_worker_fails_the_request_and_frees_prefill_pages(split):
 
 
 def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests_cleanly(tiny_qwen2):
-    """cpu1 (256 tokens of KV) decodes a 200-token request and is frozen; a second request is
+    """cpu1 (256 tokens of KV) decodes a 250-token request and is frozen; a second request is
     prefilled on cpu0 and its KV relayed to cpu1, never acknowledged; cpu1 dies. Both requests
     fail with the worker named, and cpu0's pages (held until an acknowledgement) come back."""
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--no-startup-profile", "--inference-device",
@@ -100,7 +100,9 @@ def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests
             def post(prompt, n):
                 return asyncio.ensure_future(c.post(s.url + "/v1/completions", json={
                     "prompt": prompt, "max_tokens": n, "ignore_eos": True}))
-            hog = post([5] * 200, 50)
+            # Mostly output, so that it is still decoding when frozen (50 output tokens on the
+            # tiny model were once all done between the metric and the signal).
+            hog = post([5] * 50, 200)
             await wait_for(c, 'hetserve:num_requests_running{worker="cpu1"} 1.0')
             pid = worker_pid(s, "cpu1")
             os.kill(pid, signal.SIGSTOP)
