@@ -279,8 +279,8 @@ class EngineCore:
     def _draft_prefill(self, sched) -> None:
         """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a
         request's first round proposes at once: catching up over a whole prompt inside a decode
-        step would stall every running request (about 1 s for a 100-token prompt on the 0.5B
-        draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
+        step would stall every running request (1.05 s for the 179-token code prompt of `bench
+        speculative` on the 0.5B draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
         of the target's for 0.5B/1.5B); its span also covers restored pages that lacked the
         draft's KV (BlockPool.draft_ready). Skipped where no round would draft: K = 0 now (the
         cost policy's judgement), a prefill-only request (its KV leaves for a decode worker

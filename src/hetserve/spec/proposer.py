@@ -5,10 +5,10 @@ target's block tables, so page allocation, freeing and preemption stay one mecha
 What the draft has computed is tracked by its own counter per request
 (`num_draft_computed`). The engine has the draft read each prompt chunk in the step the
 target prefills it (`prefill`, from wherever the draft left off: a prefix-cache hit brings
-back the draft's KV only for the pages the pool marks draft-ready). Every round then first catches up over the
-tokens the draft still lacks (one or two after a verification; more after rounds without
-drafts, or for a request the draft did not prefill) and runs one-token forwards for the
-remaining drafts. Works on any objects with the Request fields it reads.
+back the draft's KV only for the pages the pool marks draft-ready). Every round then first
+catches up over the tokens the draft still lacks (one or two after a verification; more
+after rounds without drafts, or for a request the draft did not prefill) and runs one-token
+forwards for the remaining drafts. Works on any objects with the Request fields it reads.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_d
         fix = torch.where(rejected[:, None], residual(p[rows, at], q[rows, at]), p[rows, num_accepted])
     else:
         fix = p[:, 0]
-    last = _draw(fix, generators, default_generator)
+    last = [draw(row, default_generator if g is None else g) for row, g in zip(fix, generators)]
     accepted = num_accepted.tolist()
     d = drafts.tolist()
     return Verified(accepted, [d[i][:a] + [last[i]] for i, a in enumerate(accepted)])
@@ -96,7 +96,3 @@ def _uniform(b: int, k: int, num_drafts: list[int], generators, default_generato
         if g is not None:
             u[i, :num_drafts[i]] = torch.rand(num_drafts[i], generator=g, device=device)
     return u
-
-
-def _draw(probs: torch.Tensor, generators, default_generator) -> list[int]:
-    return [draw(row, default_generator if g is None else g) for row, g in zip(probs, generators)]
