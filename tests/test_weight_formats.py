@@ -56,7 +56,7 @@ def test_quantizer_keeps_the_format(fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("k", [160, 544, 576])  # 5, 17 and 18 groups: 8 at a time plus a remainder
+@pytest.mark.parametrize("k", [160, 544, 576, 896])  # 5, 17, 18, 28 groups: 8 at a time plus a remainder
 def test_kernel_computes_the_stated_math(fmt, m, k):
     torch.manual_seed(m)
     w, b = torch.randn(70, k), torch.randn(70)  # 70 rows: a remainder after blocks of 4
@@ -69,6 +69,24 @@ def test_kernel_computes_the_stated_math(fmt, m, k):
     # Close to the fp32 product of the unquantized weights, within the format's error.
     rel = (qw.matmul(x, b) - torch.nn.functional.linear(x, w, b)).norm() / torch.nn.functional.linear(x, w, b).norm()
     assert rel < (0.02 if fmt == "int8" else 0.15)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_kernel_sums_are_exact_at_the_extremes(fmt, m):
+    """The largest integer products (|w| 127 or nibble 15 against |x| 127, in every element) sum
+    without saturating: the int4 kernel adds a block's products in 16-bit lanes before widening."""
+    k = 256
+    w = torch.ones(6, k)
+    w[:, ::32] = -1.0  # int4: each group's min, so every other nibble is 15
+    if fmt == "int8":
+        w[1::2] *= -1  # both signs
+    x = torch.ones(m, k)
+    x[m // 2:] *= -1
+    qw = quantize(w, fmt)
+    assert (qw.group_values().abs() == (15 if fmt == "int4" else 127)).float().mean() > 0.9
+    y, ref = qw.matmul(x, None), _reference(x, qw, None)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

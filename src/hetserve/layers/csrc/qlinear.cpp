@@ -60,6 +60,8 @@ inline __m256i madd_ones(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_ep
 // 8 fp16 values as fp32; past `count` they read as 0 (and nothing past them is read).
 inline __m256 load_h8(const at::Half* p, int64_t count) {
   if (count == kSuper) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // Half a super (rows of 4 blocks mod 8, as the 0.5B model's 896 inputs): one 8-byte load.
+  if (count == kSuper / 2) return _mm256_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   alignas(16) uint16_t buf[kSuper] = {0};
   std::memcpy(buf, p, count * sizeof(uint16_t));
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
@@ -143,17 +145,20 @@ struct Int4Weights {
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    // A 16-bit lane of one multiply-add holds 2 products of at most 15 * 127, so the block's 4
+    // products per lane (at most 15240) sum exactly in 16 bits: one widening per block, not four.
+    __m256i s16[R];
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
       const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
       for (int r = 0; r < R; ++r) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
-        const __m256i d = _mm256_add_epi32(madd_ones(_mm256_maddubs_epi16(lo, x0)),
-                                           madd_ones(_mm256_maddubs_epi16(hi, x1)));
-        acc[r] = h ? _mm256_add_epi32(acc[r], d) : d;
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
       }
     }
+    for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
   }
 };
 
