@@ -82,4 +82,16 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     greedy = {r["config"]: r for r in rows if r["temperature"] == 0.0}
     assert greedy["fixed-4"]["greedy_tokens"] == greedy["target-only"]["greedy_tokens"]
     assert greedy["fixed-4"]["acceptance_rate"] == 1.0  # the draft is the target itself, same weights
+    assert greedy["target-only"]["acceptance_rate"] is None  # K = 0 on the shared engine: no draft
     assert "ratio" in capsys.readouterr().out
+    # One engine per config, in blocks (the order before interleaving): the same greedy tokens.
+    assert main(["bench", "speculative", "--model", tiny_qwen2, "--draft", tiny_qwen2, "--configs",
+                 "fixed-4,draft-only", "--prompts", "code", "--temperatures", "0", "--output-tokens", "6",
+                 "--deterministic", "--weight-format", "fp32", "--speculative-weight-format", "fp32", "--blocks",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["order"] == "blocks"
+    blocks = {r["config"]: r for r in report["rows"]}
+    assert blocks["fixed-4"]["greedy_tokens"] == blocks["target-only"]["greedy_tokens"] == \
+        greedy["target-only"]["greedy_tokens"]
+    assert set(blocks) == {"target-only", "fixed-4", "draft-only"}

@@ -320,3 +320,39 @@ def test_cost_policy_measures_step_costs_at_start(tiny_qwen2, drafts, target_onl
     assert all(v > 0 for v in pol.target.points.values())
     assert_pages_back(llm)  # the scratch forwards hold no page
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+
+
+def test_set_speculation_swaps_policy_and_tv_budget_between_requests(tiny_qwen2, drafts, target_only):
+    """`bench speculative` runs every setting on one engine: a fixed K = 0 policy is the target
+    alone (no draft forward at all), and a swap mid-request is refused."""
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, enable_prefix_caching=False)
+    eng = llm.engine
+    off, fixed = eng.make_spec_policy("fixed", 0), eng.spec_policy
+    calls = []
+    draft_forward = eng.proposer.model.forward
+    eng.proposer.model.forward = lambda *a, **kw: calls.append(1) or draft_forward(*a, **kw)
+    eng.set_speculation(off, 0.0)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(outs) == target_only and not calls
+    assert all(set(o.metrics["spec_decode"]["k_histogram"]) == {0} for o in outs)
+    eng.set_speculation(fixed, 1.0)
+    assert eng.runner.tv_budget == 1.0
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only and calls
+    eng.add_request(Request("busy", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0)))
+    with pytest.raises(RuntimeError, match="between requests"):
+        eng.set_speculation(off, 0.0)
+    eng.abort("busy")
+    assert_pages_back(llm)
+
+
+def test_cost_policy_measured_later_never_overwrites_cached_pages(tiny_qwen2, drafts, target_only):
+    """A cost policy made after requests ran times its scratch forwards on pages taken from the
+    pool (evicting a cached page if it must), never on a page the prefix cache still indexes."""
+    llm = make(tiny_qwen2, drafts["near"])
+    eng = llm.engine
+    assert llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].token_ids == target_only[3]
+    assert eng.pool._cached[0]  # its first page: where the start-up measurement ran
+    eng.set_speculation(eng.make_spec_policy("cost", 2), 0.0)
+    assert_pages_back(llm)
+    again = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 36 and again.token_ids == target_only[3]

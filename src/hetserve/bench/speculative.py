@@ -1,11 +1,20 @@
 """`hetserve bench speculative`: speculative decoding vs the target alone, per prompt and temperature.
 
-One engine per configuration (target-only, draft-only, fixed K, the adaptive policies, TV
-budgets at fixed K = 8), each run on a code-refactoring and a creative-writing chat prompt,
---output-tokens tokens with EOS ignored, at temperature 0 (--runs runs) and 0.7 (--seeds seeds).
-Reported per cell: acceptance, verification rounds per request, median E2E, median decode tok/s
-(output tokens - 1 over E2E - TTFT) and its ratio to target-only on the same prompt and
-temperature. Prefix caching is off so repeated runs never reuse a prompt's pages.
+Configurations: target-only, draft-only, fixed K, the adaptive policies, TV budgets at fixed
+K = 8; each runs a code-refactoring and a creative-writing chat prompt, --output-tokens tokens
+with EOS ignored, at temperature 0 (--runs runs) and 0.7 (--seeds seeds). Reported per cell:
+acceptance, verification rounds per request, median E2E, median decode tok/s (output tokens - 1
+over E2E - TTFT) and its ratio to target-only on the same prompt and temperature. Prefix caching
+is off so repeated runs never reuse a prompt's pages.
+
+Every configuration but draft-only runs on ONE engine that holds the target and the draft and
+swaps its draft policy and TV budget between runs (EngineCore.set_speculation); target-only is
+that engine with a fixed K = 0 policy, which never runs the draft. The runs are interleaved: run
+i of every configuration, in an order rotated by one each time, before run i + 1 of any. On a
+shared machine the load changes by 15-25% within minutes, so measuring each configuration in
+its own block (--blocks, one engine each, as before) moved the ratios by that much between
+invocations; interleaved, both sides of a ratio see the same load. draft-only (another model)
+runs first in its own engine.
 """
 
 from __future__ import annotations
@@ -45,45 +54,80 @@ CONFIGS = {
 }
 
 
-def _run_config(name: str, args, engine_kw: dict) -> list[dict]:
+def _load(args, engine_kw: dict, model: str, settings: dict | None):
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
     kw = dict(engine_kw, enable_prefix_caching=False, speculative_model=None)
-    model = args.model
-    if name == "draft-only":
-        model = args.draft
-    elif CONFIGS[name] is not None:
-        kw.update(CONFIGS[name], speculative_model=args.draft)
+    if settings is not None:
+        kw.update(settings, speculative_model=args.draft)
     llm = LLM(model=model, **kw)
     llm.generate([llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-    rows = []
+    return llm
+
+
+def _cells(args, name: str) -> list[tuple[str, float, list]]:
+    """(prompt, temperature, seeds) of a config; TV budgets only change sampled decoding."""
+    cells = []
     for pname in args.prompts:
-        ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[pname]}])
         for temp in args.temperatures:
-            # TV budgets only change sampled decoding: greedy verification ignores them.
             if temp == 0.0 and name.startswith("tv-") and name != "tv-0":
                 continue
-            seeds = [None] * args.runs if temp == 0.0 else list(range(args.seeds))
-            runs = []
-            for seed in seeds:
-                params = SamplingParams(max_tokens=args.output_tokens, temperature=temp, top_p=0.8, top_k=20,
-                                        seed=seed, ignore_eos=True)
-                t = time.monotonic()
-                out = llm.generate([ids], params, use_tqdm=False)[0]
-                m = out.metrics
-                ttft, e2e = m["first_token_time"] - t, m["finished_time"] - t
-                spec = m.get("spec_decode", {})
-                runs.append({"e2e_s": e2e, "ttft_s": ttft,
-                             "decode_tok_s": (len(out.token_ids) - 1) / max(e2e - ttft, 1e-9),
-                             "acceptance_rate": spec.get("acceptance_rate"), "rounds": spec.get("rounds"),
-                             "mean_accepted_length": spec.get("mean_accepted_length"),
-                             "k_histogram": spec.get("k_histogram"), "token_ids": out.token_ids})
-            rows.append(_summary(name, pname, temp, runs))
+            cells.append((pname, temp, [None] * args.runs if temp == 0.0 else list(range(args.seeds))))
+    return cells
+
+
+def _run_once(llm, args, pname: str, temp: float, seed) -> dict:
+    from ..sampling_params import SamplingParams
+
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[pname]}])
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=temp, top_p=0.8, top_k=20, seed=seed,
+                            ignore_eos=True)
+    t = time.monotonic()
+    out = llm.generate([ids], params, use_tqdm=False)[0]
+    m = out.metrics
+    ttft, e2e = m["first_token_time"] - t, m["finished_time"] - t
+    spec = m.get("spec_decode", {})
+    return {"e2e_s": e2e, "ttft_s": ttft, "decode_tok_s": (len(out.token_ids) - 1) / max(e2e - ttft, 1e-9),
+            "acceptance_rate": spec.get("acceptance_rate") if spec.get("rounds") else None,
+            "rounds": spec.get("rounds") if spec.get("rounds") else None,
+            "mean_accepted_length": spec.get("mean_accepted_length") if spec.get("rounds") else None,
+            "k_histogram": spec.get("k_histogram"), "token_ids": out.token_ids}
+
+
+def _run_blocks(args, engine_kw: dict, names: list[str]) -> dict:
+    """Each config in its own engine, its cells one after another."""
+    runs = {}
+    for name in names:
+        print(f"[{name}]", file=sys.stderr, flush=True)
+        llm = _load(args, engine_kw, args.draft if name == "draft-only" else args.model, CONFIGS[name])
+        for pname, temp, seeds in _cells(args, name):
+            runs[(name, pname, temp)] = [_run_once(llm, args, pname, temp, seed) for seed in seeds]
+        del llm
+        gc.collect()
+    return runs
+
+
+def _run_interleaved(args, engine_kw: dict, names: list[str]) -> dict:
+    """One engine with the draft; run i of every config (order rotated each time) before run i + 1."""
+    llm = _load(args, engine_kw, args.model, dict(spec_policy="fixed", num_speculative_tokens=2))  # warms the draft
+    eng = llm.engine
+    settings = {name: (eng.make_spec_policy("fixed", 0), 0.0) if CONFIGS[name] is None else
+                (eng.make_spec_policy(CONFIGS[name]["spec_policy"], CONFIGS[name]["num_speculative_tokens"]),
+                 CONFIGS[name].get("spec_tv_budget", 0.0)) for name in names}
+    work = [(name, pname, temp, seeds) for name in names for pname, temp, seeds in _cells(args, name)]
+    runs = {(name, pname, temp): [] for name, pname, temp, _ in work}
+    for i in range(max(len(seeds) for *_, seeds in work)):
+        print(f"[run {i + 1}]", file=sys.stderr, flush=True)
+        turn = work[i % len(work):] + work[:i % len(work)]
+        for name, pname, temp, seeds in turn:
+            if i < len(seeds):
+                eng.set_speculation(*settings[name])
+                runs[(name, pname, temp)].append(_run_once(llm, args, pname, temp, seeds[i]))
     del llm
     gc.collect()
-    return rows
+    return runs
 
 
 def _summary(name: str, prompt: str, temp: float, runs: list[dict]) -> dict:
@@ -105,12 +149,15 @@ def main(args) -> int:
     if unknown:
         raise ValueError(f"unknown configs or prompts: {', '.join(unknown)} (configs: {', '.join(CONFIGS)}; "
                          f"prompts: {', '.join(PROMPTS)})")
-    configs = ["target-only"] + [c for c in args.configs if c != "target-only"]
+    configs = ["target-only"] + [c for c in args.configs if c not in ("target-only", "draft-only")]
     report = {"benchmark": "speculative", "model": args.model, "draft": args.draft,
-              "output_tokens": args.output_tokens, "command": " ".join(sys.argv), "rows": []}
-    for name in configs:
-        print(f"[{name}]", file=sys.stderr, flush=True)
-        report["rows"] += _run_config(name, args, engine_kwargs(args))
+              "output_tokens": args.output_tokens, "command": " ".join(sys.argv),
+              "order": "blocks" if args.blocks else "interleaved", "rows": []}
+    runs = _run_blocks(args, engine_kwargs(args), ["draft-only"]) if "draft-only" in args.configs else {}
+    runs.update((_run_blocks if args.blocks else _run_interleaved)(args, engine_kwargs(args), configs))
+    for name in ["target-only"] + [c for c in args.configs if c != "target-only"]:
+        for pname, temp, _ in _cells(args, name):
+            report["rows"].append(_summary(name, pname, temp, runs[(name, pname, temp)]))
     base = {(r["prompt"], r["temperature"]): r for r in report["rows"] if r["config"] == "target-only"}
     print(f"{'config':<17}{'prompt':<10}{'temp':>5}{'accept':>8}{'rounds':>8}{'E2E s':>9}{'decode tok/s':>14}"
           f"{'ratio':>7}  greedy = target")
@@ -143,5 +190,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeded runs per cell at temperature > 0")
     p.add_argument("--runs", type=int, default=1, help="runs per cell at temperature 0")
     p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--blocks", action="store_true",
+                   help="one engine per config, each config's runs in one block (the order before interleaving)")
     add_engine_flags(p)
     p.set_defaults(func=main)

@@ -12,7 +12,7 @@ from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
-from ..spec.policy import CostPolicy, PolicyConfig, make_policy, spec_summary
+from ..spec.policy import CostPolicy, DraftPolicy, PolicyConfig, make_policy, spec_summary
 from ..spec.proposer import DraftProposer, time_forward
 from .config import EngineConfig, parse_bytes
 from .flight import FlightCoordinator
@@ -79,16 +79,13 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.proposer = DraftProposer(draft_model, num_pages * config.page_size, config.page_size) \
             if draft_model else None
-        self.spec_policy = make_policy(PolicyConfig(
-            config.spec_policy, config.num_speculative_tokens, config.spec_k_min, config.spec_k_max,
-            config.spec_acceptance_low, config.spec_acceptance_high, config.spec_ema_alpha)) if draft_model else None
         self.spec_totals = {"proposed": 0, "accepted": 0, "rounds": 0, "k_histogram": {}}
         self.scheduler = Scheduler(config, self.pool, self.prefix_cache,
                                    draft_len=self._draft_len if draft_model else None)
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids, config.spec_tv_budget)
         self.requests: dict[str, Request] = {}
-        if isinstance(self.spec_policy, CostPolicy):
-            self._measure_spec_costs()
+        self.spec_policy = self.make_spec_policy(config.spec_policy, config.num_speculative_tokens) \
+            if draft_model else None
         self._profiler = _torch_profiler(config.torch_profile) if config.torch_profile else None
         log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
                  num_pages * per_page / 2**20)
@@ -249,15 +246,42 @@ class EngineCore:
         return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
-    def _measure_spec_costs(self) -> None:
+    def make_spec_policy(self, name: str, k: int) -> DraftPolicy:
+        """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
+        c = self.config
+        policy = make_policy(PolicyConfig(name, k, c.spec_k_min, c.spec_k_max, c.spec_acceptance_low,
+                                          c.spec_acceptance_high, c.spec_ema_alpha))
+        if isinstance(policy, CostPolicy):
+            self._measure_spec_costs(policy)
+        return policy
+
+    def set_speculation(self, policy: DraftPolicy, tv_budget: float) -> None:
+        """Swap the draft policy and TV budget while no request is in flight. `bench speculative`
+        compares settings run by run on one loaded engine (a fixed K = 0 policy is the target
+        alone: no draft forward, no draft prefill)."""
+        if self.proposer is None:
+            raise ValueError("this engine has no speculative model")
+        if self.has_unfinished_requests():
+            raise RuntimeError("speculation settings change only between requests")
+        self.spec_policy = policy
+        self.runner.tv_budget = tv_budget
+
+    def _measure_spec_costs(self, pol: CostPolicy) -> None:
         """The cost policy's first choices rest on measurements, not on probing with live
         requests: time target forwards of 1 .. k_max + 1 tokens and a one-token draft forward on
-        the first pages. Every page is free at start, and a request overwrites a page's KV before
-        it reads it."""
-        pol, page_size = self.spec_policy, self.config.page_size
-        pages = list(range(-(-(pol.cfg.k_max + 1) // page_size)))
-        if len(pages) > self.pool.num_blocks:
+        pages taken from the pool for the purpose (a cached page among them is evicted first)."""
+        page_size = self.config.page_size
+        n_pages = -(-(pol.cfg.k_max + 1) // page_size)
+        if n_pages > self.pool.num_free:
             return
+        pages = self.pool.allocate(n_pages)
+        try:
+            self._time_spec_costs(pol, pages)
+        finally:
+            self.pool.free(pages)
+
+    def _time_spec_costs(self, pol: CostPolicy, pages: list[int]) -> None:
+        page_size = self.config.page_size
         t0 = time.perf_counter()
         time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
         # Sizes interleaved, three passes, median per size: a burst of load from elsewhere on a
