@@ -182,7 +182,7 @@ class EngineCore:
             return []
         if self.proposer is not None:
             self._draft_prefill(sched)
-        draft_seconds = self._propose(sched) if sched.num_drafts else None
+        draft_seconds = self._propose(sched) if sched.num_drafts else []
         t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
             sampled = self.runner.execute(sched.scheduled)
@@ -190,7 +190,7 @@ class EngineCore:
             decoding = all(r.num_computed_tokens + n - sched.num_drafts.get(r.request_id, 0) == r.num_tokens
                            and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
             self.spec_policy.observe(len(sched.scheduled), sched.num_tokens if decoding else None,
-                                     time.perf_counter() - t0, draft_seconds)
+                                     time.perf_counter() - t0, *draft_seconds)
         now = time.monotonic()
         outputs = []
         incremental = self.config.prefix_publish == "incremental"
@@ -294,11 +294,14 @@ class EngineCore:
                 samples[n].append(time_forward(self.model, self.runner.kv_caches, n, pages, page_size, repeats=1))
         for n in sizes:
             pol.target.add(n, statistics.median(samples[n]))
+        # A round's first draft forward also reads the tokens the last verification committed
+        # (two after a fully accepted round); each further one reads one token.
         for _ in range(2):
             pol.draft.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 1, pages, page_size))
-        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms", time.perf_counter() - t0,
-                 [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
-                 pol.draft.predict(1) * 1e3)
+            pol.draft_first.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 2, pages, page_size))
+        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms)",
+                 time.perf_counter() - t0, [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
+                 pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3)
 
     def _draft_prefill(self, sched) -> None:
         """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a
@@ -319,9 +322,10 @@ class EngineCore:
             with trace.span("draft prefill", requests=len(batch)):
                 self.proposer.prefill(batch)
 
-    def _propose(self, sched) -> float | None:
-        """Draft tokens for the requests scheduled with K > 0; returns the mean seconds of a draft
-        forward when it measured decoding alone (no long catch-up over a prompt)."""
+    def _propose(self, sched) -> list[float]:
+        """Draft tokens for the requests scheduled with K > 0. Returns, when the round measured
+        decoding alone (no long catch-up over a prompt), the seconds of its first draft forward
+        and the mean of the others (if any), for the cost policy; else []."""
         batch = [(r, sched.num_drafts[r.request_id]) for r, _ in sched.scheduled if r.request_id in sched.num_drafts]
         catch_up = sum(r.num_tokens - r.num_draft_computed for r, _ in batch)
         with trace.span("propose", requests=len(batch)):
@@ -329,7 +333,10 @@ class EngineCore:
         for req, _ in batch:
             prop = proposals[req.request_id]
             req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs
-        return self.proposer.last_forward_seconds if catch_up <= 2 * len(batch) else None
+        times = self.proposer.last_forward_seconds
+        if catch_up > 2 * len(batch) or not times:
+            return []
+        return [times[0]] + ([statistics.fmean(times[1:])] if len(times) > 1 else [])
 
     def _record_round(self, req: Request, k: int, accepted: int) -> None:
         self.spec_policy.update(req.spec, k, accepted)

@@ -94,7 +94,9 @@ class DraftProposer:
         self.model = model
         self.page_size = page_size
         self.kv_caches = model.allocate_kv_cache(num_slots)
-        self.last_forward_seconds = 0.0  # mean seconds of one draft forward in the last round
+        # Seconds of each draft forward of the last round (with its sampling); the first also
+        # read the tokens the draft had not seen.
+        self.last_forward_seconds: list[float] = []
 
     def _forward(self, spans: list[tuple[object, int, list[int]]], logits: bool) -> torch.Tensor | None:
         """One batched draft forward: per request (req, first position, tokens from there).
@@ -128,13 +130,14 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, batch: list[tuple[object, int]], row_for: RowFor) -> dict[str, Proposal]:
         """batch: (request, k >= 1). Returns k draft tokens per request (and their distributions)."""
-        t0 = time.perf_counter()
+        self.last_forward_seconds = []
         out = {req.request_id: Proposal([], None) for req, _ in batch}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in batch}
         # Round 0 catches up over every token the draft has not seen; later rounds feed one draft each.
         active = list(batch)
         step = 0
         while active:
+            t0 = time.perf_counter()
             spans = [(req, req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]) if step == 0
                      else (req, req.num_tokens + step - 1, out[req.request_id].tokens[-1:]) for req, _ in active]
             logits = self._forward(spans, logits=True)
@@ -149,8 +152,8 @@ class DraftProposer:
                     probs[req.request_id].append(q)
             step += 1
             active = [(req, k) for req, k in active if k > step]
+            self.last_forward_seconds.append(time.perf_counter() - t0)
         for rid, qs in probs.items():
             if qs:
                 out[rid].probs = torch.stack(qs)
-        self.last_forward_seconds = (time.perf_counter() - t0) / max(step, 1)
         return out
