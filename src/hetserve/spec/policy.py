@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 
 POLICIES = ("fixed", "acceptance-rate", "accepted-length", "cost")
@@ -97,28 +95,21 @@ class AcceptedLengthPolicy(DraftPolicy):
 
 
 class StepCosts:
-    """Seconds of a forward by its size (tokens, or batch rows): the median of the last `window`
-    samples per size seen, linear between sizes, extended past the largest with the slope of the
-    last two (never negative) and flat below the smallest. A verification's cost is far from
-    linear in its rows on a CPU (measured on the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2,
-    4 rows 1.4, 5 rows 1.9), so one fitted line misjudges exactly the short drafts that pay. A
-    median, not a moving average: on a shared machine one step in a burst of load can take
-    several times the usual, and an average with weight 0.2 carried a fifth of that into every
-    later choice, while a median of 5 ignores up to two such steps and follows a lasting change
-    within three. (With the average, one bench run of `cost` chose K = 0 for 44 rounds of a code
-    prompt where drafting pays 1.5x; noisy costs are the likely cause.)"""
+    """Seconds of a forward by its size (tokens, or batch rows): an exponential average per size
+    seen, linear between sizes, extended past the largest with the slope of the last two (never
+    negative) and flat below the smallest. A verification's cost is far from linear in its rows
+    on a CPU (measured on the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows
+    1.9), so one fitted line misjudges exactly the short drafts that pay."""
 
-    def __init__(self, window: int = 5):
-        self.window = window
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
         self.count = 0
-        self.samples: dict[int, deque[float]] = {}
         self.points: dict[int, float] = {}
 
     def add(self, size: int, seconds: float) -> None:
         self.count += 1
-        recent = self.samples.setdefault(size, deque(maxlen=self.window))
-        recent.append(seconds)
-        self.points[size] = statistics.median(recent)
+        old = self.points.get(size)
+        self.points[size] = seconds if old is None else old + self.weight * (seconds - old)
 
     @property
     def known(self) -> bool:
