@@ -108,6 +108,19 @@ def test_cost_policy_prices_the_first_draft_forward_of_a_round_apart():
     assert rate(3) == max(rate(k) for k in range(5))
 
 
+def test_cost_policy_moves_every_cost_with_the_load():
+    """Only the sizes that run are timed; a slower machine must not leave the others looking
+    cheap. Each sample pulls every other cost at half its own weight."""
+    p = make_policy(PolicyConfig("cost", k=4, k_min=1, k_max=4))
+    for n in range(1, 6):
+        p.observe(1, n, 0.05 + 0.01 * n, 0.014, 0.010)
+    for _ in range(40):
+        p.observe(1, 2, 2 * 0.07)  # K = 1 rounds only, on a machine now twice as slow
+    assert p.target.predict(2) == pytest.approx(0.14, rel=0.01)
+    for costs, size, before in ((p.target, 5, 0.10), (p.draft_first, 1, 0.014), (p.draft, 1, 0.010)):
+        assert 1.3 < costs.predict(size) / before < 1.5  # about sqrt(2): half the change, in log terms
+
+
 def stop_drafting(p, st):
     for _ in range(20):
         k = p.draft_len(st)

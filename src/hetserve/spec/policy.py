@@ -106,10 +106,18 @@ class StepCosts:
         self.count = 0
         self.points: dict[int, float] = {}
 
-    def add(self, size: int, seconds: float) -> None:
+    def add(self, size: int, seconds: float) -> float:
+        """Returns the sample over the size's cost before it (1.0 for a new size)."""
         self.count += 1
         old = self.points.get(size)
         self.points[size] = seconds if old is None else old + self.weight * (seconds - old)
+        return 1.0 if not old else seconds / old
+
+    def rescale(self, factor: float, but: int | None = None) -> None:
+        """Every size's cost times factor (except size `but`)."""
+        for size in self.points:
+            if size != but:
+                self.points[size] *= factor
 
     @property
     def known(self) -> bool:
@@ -156,6 +164,8 @@ class CostPolicy(DraftPolicy):
     # at 50%: a few rejections at the start of a text (creative writing often opens unpredictably)
     # must not stop a draft that pays later, since stopping also costs catch-ups on every probe.
     prior_weight = 8.0
+
+    level_weight = 0.1  # a sample's pull on every other cost (its own size's weight is StepCosts.weight)
 
     def __init__(self, cfg: PolicyConfig):
         super().__init__(cfg)
@@ -213,12 +223,20 @@ class CostPolicy(DraftPolicy):
         round's first draft forward and the mean of its other draft forwards (None when there
         were none)."""
         self.batch = batch
-        if target_tokens is not None:
-            self.target.add(target_tokens, target_seconds)
-        if draft_first_seconds is not None:
-            self.draft_first.add(batch, draft_first_seconds)
-        if draft_seconds is not None:
-            self.draft.add(batch, draft_seconds)
+        for costs, size, seconds in ((self.target, target_tokens, target_seconds),
+                                     (self.draft_first, batch, draft_first_seconds), (self.draft, batch, draft_seconds)):
+            if size is None or seconds is None:
+                continue
+            change = costs.add(size, seconds)
+            # Load from elsewhere on the machine slows every forward alike, yet only the sizes
+            # run are timed: a size last timed minutes ago, under another load, then looks
+            # cheaper or dearer than it is against the current ones, and the choice of K wanders
+            # (seen in bench runs: K = 6 for 18 rounds, or K = 0 for 44, of code runs where
+            # K = 1-3 pays 1.5x). So a sample also moves every other cost, at half the weight: a
+            # shared level follows the load, and the sizes' relative costs still adapt.
+            level = 1.0 + self.level_weight * (change - 1.0)
+            for other in (self.target, self.draft_first, self.draft):
+                other.rescale(level, but=size if other is costs else None)
 
 
 def make_policy(cfg: PolicyConfig) -> DraftPolicy:
