@@ -147,11 +147,11 @@ class CostPolicy(DraftPolicy):
     prior), target(n) the measured seconds of a target forward of n tokens, draft(B) of a
     one-token draft forward of B rows, and first(B) of a round's first draft forward, which
     also reads the tokens the last verification committed (two per request after a fully
-    accepted round). Pricing every draft forward alike averaged that catch-up into all of them,
-    and the policy then kept K at 1 on code, where K = 2 or 3 is 4-5% faster (measured on the
+    accepted round). Pricing every draft forward alike averaged that catch-up into all of them
+    and undervalued K >= 2 (on code, K = 2 or 3 decodes 4-5% faster than K = 1 on the
     1.5B/0.5B pair on CPU). StepCosts: timed by the engine at start (target 1 .. k_max + 1
-    tokens; draft forwards of 1 and 2 tokens), then kept current from every decode step. It
-    picks argmax E(K) / T(K) over 0..k_max. Before the target's plain
+    tokens; draft forwards of 1 and 2 tokens), then kept current from every decode step
+    (`observe`). It picks argmax E(K) / T(K) over 0..k_max. Before the target's plain
     decode cost is measured it does not draft; before the draft's cost is known it drafts K. A
     request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
     probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
