@@ -121,6 +121,19 @@ def test_cost_policy_moves_every_cost_with_the_load():
         assert 1.3 < costs.predict(size) / before < 1.5  # about sqrt(2): half the change, in log terms
 
 
+def test_cost_policy_drafts_one_more_now_and_then():
+    """One round in `explore_every` drafts K + 1, so K + 1's costs are timed live too."""
+    p = cost_policy(1.0, 0.01, 0.05)
+    st = p.new_state()
+    best = p.best_k(p.alpha(st))
+    assert 1 <= best < p.cfg.k_max
+    ks = []
+    for _ in range(3 * CostPolicy.explore_every):
+        ks.append(p.draft_len(st))
+        st.rounds += 1  # the choice only, not an acceptance update
+    assert ks.count(best + 1) == 3 and ks.count(best) == len(ks) - 3
+
+
 def stop_drafting(p, st):
     for _ in range(20):
         k = p.draft_len(st)
