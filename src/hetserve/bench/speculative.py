@@ -89,10 +89,9 @@ def _run_once(llm, args, pname: str, temp: float, seed) -> dict:
     m = out.metrics
     ttft, e2e = m["first_token_time"] - t, m["finished_time"] - t
     spec = m.get("spec_decode", {})
+    drafted = bool(spec.get("rounds"))  # target-only (K = 0) verifies nothing: no acceptance to report
     return {"e2e_s": e2e, "ttft_s": ttft, "decode_tok_s": (len(out.token_ids) - 1) / max(e2e - ttft, 1e-9),
-            "acceptance_rate": spec.get("acceptance_rate") if spec.get("rounds") else None,
-            "rounds": spec.get("rounds") if spec.get("rounds") else None,
-            "mean_accepted_length": spec.get("mean_accepted_length") if spec.get("rounds") else None,
+            **{key: spec[key] if drafted else None for key in ("acceptance_rate", "rounds", "mean_accepted_length")},
             "k_histogram": spec.get("k_histogram"), "token_ids": out.token_ids}
 
 
