@@ -286,19 +286,19 @@ class EngineCore:
         time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
         # Sizes interleaved, three passes, median per size: a burst of load from elsewhere on a
         # shared machine then spoils one sample of several sizes, not every sample of one size
-        # (which would tilt the policy towards or away from that K).
-        sizes = range(1, pol.cfg.k_max + 2)
-        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        # (which would tilt the policy towards or away from that K). The draft's forwards are in
+        # the same passes: timed after the target's, a load change between the two had tilted
+        # K = 0 against K >= 1. A round's first draft forward also reads the tokens the last
+        # verification committed (two after a fully accepted round); each further one reads one.
+        model, draft = (self.model, self.runner.kv_caches), (self.proposer.model, self.proposer.kv_caches)
+        timings = [(pol.target, n, model, n) for n in range(1, pol.cfg.k_max + 2)]
+        timings += [(pol.draft, 1, draft, 1), (pol.draft_first, 1, draft, 2)]
+        samples: list[list[float]] = [[] for _ in timings]
         for _ in range(3):
-            for n in sizes:
-                samples[n].append(time_forward(self.model, self.runner.kv_caches, n, pages, page_size, repeats=1))
-        for n in sizes:
-            pol.target.add(n, statistics.median(samples[n]))
-        # A round's first draft forward also reads the tokens the last verification committed
-        # (two after a fully accepted round); each further one reads one token.
-        for _ in range(2):
-            pol.draft.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 1, pages, page_size))
-            pol.draft_first.add(1, time_forward(self.proposer.model, self.proposer.kv_caches, 2, pages, page_size))
+            for (_, _, (m, caches), tokens), got in zip(timings, samples):
+                got.append(time_forward(m, caches, tokens, pages, page_size, repeats=1))
+        for (costs, size, _, _), got in zip(timings, samples):
+            costs.add(size, statistics.median(got))
         log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms)",
                  time.perf_counter() - t0, [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
                  pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3)
