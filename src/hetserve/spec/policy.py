@@ -96,32 +96,29 @@ class AcceptedLengthPolicy(DraftPolicy):
 
 
 class StepCosts:
-    """Seconds of a forward by its size (tokens, or batch rows): per size seen, the mean of its
-    samples until there are 1 / weight of them, then an exponential average; linear between
-    sizes, extended past the largest with the slope of the last two (never negative) and flat
-    below the smallest. A verification's cost is far from linear in its rows on a CPU (measured
-    on the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows 1.9), so one
-    fitted line misjudges exactly the short drafts that pay. The running mean at first lets the
-    first live steps outweigh the one start-up sample per size (scratch forwards, without a
-    round's other work, on a shared machine whose load comes and goes)."""
+    """Cost of a forward by its size (tokens, or batch rows), in units of the policy's load
+    level: the mean of a size's first `settle` samples, then fixed; linear between sizes,
+    extended past the largest with the slope of the last two (never negative) and flat below
+    the smallest. A verification's cost is far from linear in its rows on a CPU (measured on
+    the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows 1.9), so one fitted
+    line misjudges exactly the short drafts that pay. Fixed, because samples of one size cannot
+    tell its own cost from the load: a cost that kept adapting to its samples while the level
+    did too took a random walk against the costs of the sizes not run (see CostPolicy.observe)."""
 
-    def __init__(self, weight: float = 0.2):
-        self.weight = weight
+    settle = 5
+
+    def __init__(self):
         self.points: dict[int, float] = {}
         self.samples: dict[int, int] = {}
 
-    def add(self, size: int, seconds: float) -> float:
-        """Returns the size's cost after the sample over its cost before (1.0 for a new size)."""
-        n = self.samples[size] = self.samples.get(size, 0) + 1
-        old = self.points.get(size)
-        self.points[size] = seconds if old is None else old + max(self.weight, 1.0 / n) * (seconds - old)
-        return self.points[size] / old if old else 1.0
-
-    def rescale(self, factor: float, but: int | None = None) -> None:
-        """Every size's cost times factor (except size `but`)."""
-        for size in self.points:
-            if size != but:
-                self.points[size] *= factor
+    def add(self, size: int, cost: float, count: int = 1) -> None:
+        """A sample that counts `count` times (a start-up median counts as `settle`)."""
+        seen = self.samples.get(size, 0)
+        if seen >= self.settle:
+            return
+        n = self.samples[size] = min(seen + count, self.settle)
+        old = self.points.get(size, 0.0)
+        self.points[size] = old + (cost - old) * (n - seen) / n
 
     @property
     def known(self) -> bool:
@@ -155,8 +152,8 @@ class CostPolicy(DraftPolicy):
     and undervalued K >= 2 (on code, K = 2 or 3 decodes 4-5% faster than K = 1 on the
     1.5B/0.5B pair on CPU). StepCosts: timed by the engine at start (target 1 .. k_max + 1
     tokens; draft forwards of 1 and 2 tokens), then kept current from every decode step
-    (`observe`). It picks argmax E(K) / T(K) over 0..k_max, with alpha raised by a bonus that
-    shrinks as the request's own trials grow (`optimism`). Before the target's plain
+    (`observe`). It picks argmax E(K) / T(K) over 0..k_max; K = 0 only while it is best even for
+    alpha raised by a bonus that shrinks as the request's own trials grow (`optimism`). Before the target's plain
     decode cost is measured it does not draft; before the draft's cost is known it drafts K. A
     request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
     probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
@@ -171,17 +168,21 @@ class CostPolicy(DraftPolicy):
     prior_weight = 8.0
 
     explore_every = 8  # rounds: one round in this many drafts K + 1
-    # K is chosen for alpha plus this many binomial standard errors of the request's own trials
-    # (a bandit's upper confidence bound). K = 0 is the one choice that teaches nothing about
-    # alpha, so a request must not settle on it from the prior alone: at 50% acceptance and
-    # start-up costs where K = 0 and K = 1 nearly tie (one start-up in four picks K = 0), a code
-    # request on the 1.5B/0.5B pair spent 79 of its rounds at K = 0 before its probes caught on.
-    # The bonus is about +0.25 before the first round and under +0.04 once about 50 trials count.
+    # K = 0 is the one choice that teaches nothing about alpha, so a request drafts (K >= 1)
+    # unless K = 0 is best even for alpha plus this many binomial standard errors of the
+    # request's own trials (a bandit's upper confidence bound). From the prior alone, at 50%
+    # acceptance and start-up costs where K = 0 and K = 1 nearly tie (one start-up in four picks
+    # K = 0), a code request on the 1.5B/0.5B pair spent 79 of its rounds at K = 0 before its
+    # probes caught on. The bonus is about +0.25 before the first round and under +0.04 once
+    # about 50 trials count. K >= 1 is chosen for alpha itself: with the bonus, a request after
+    # code (engine-wide rate 0.8) started creative writing as if every draft were accepted.
     optimism = 0.5
-    level_share = 0.5  # a sample moves every other cost by this share of its own size's move
+    level_weight = 0.2  # the load level: a geometric average over about 5 samples (2 rounds)
 
     def __init__(self, cfg: PolicyConfig):
         super().__init__(cfg)
+        # Costs in units of the machine's current speed (`level` seconds per unit); see observe.
+        self.level = 1.0
         self.target = StepCosts()
         self.draft = StepCosts()
         self.draft_first = StepCosts()
@@ -214,9 +215,9 @@ class CostPolicy(DraftPolicy):
             return 0
         if not self.draft.known:
             return self.cfg.k
-        alpha = self.hopeful_alpha(st)
+        alpha = self.alpha(st)
         k = self.best_k(alpha)
-        if k == 0 and st.rounds_without_draft >= st.probe_interval:
+        if k == 0 and (st.rounds_without_draft >= st.probe_interval or self.best_k(self.hopeful_alpha(st)) > 0):
             return self.best_k(alpha, lo=1)
         if k and st.rounds % self.explore_every == self.explore_every - 1:
             # Every few rounds one more draft: the costs of K + 1 are then timed live, with the
@@ -251,16 +252,16 @@ class CostPolicy(DraftPolicy):
                                      (self.draft_first, batch, draft_first_seconds), (self.draft, batch, draft_seconds)):
             if size is None or seconds is None:
                 continue
-            moved = costs.add(size, seconds)
             # Load from elsewhere on the machine slows every forward alike, yet only the sizes
-            # run are timed: a size last timed minutes ago, under another load, then looks
-            # cheaper or dearer than it is against the current ones, and the choice of K wanders
-            # (seen in bench runs: K = 6 for 18 rounds, or K = 0 for 44, of code runs where
-            # K = 1-3 pays 1.5x). So a sample also moves every other cost by half as much as its
-            # own size's: a shared level follows the load, and the sizes' relative costs still adapt.
-            level = 1.0 + self.level_share * (moved - 1.0)
-            for other in (self.target, self.draft_first, self.draft):
-                other.rescale(level, but=size if other is costs else None)
+            # run are timed. So the sizes keep their relative costs (from the start-up, or a new
+            # size's first samples) and every sample moves one shared level: the machine's
+            # current speed against those costs. (Moving every other size's cost by part of each
+            # sample's move, as before, let the sizes not run take a random walk: in a run of the
+            # bench's eight cells the target's 2-token cost drifted above its 3-token cost, where
+            # live steps measured 71 and 87 ms.)
+            if costs.points:
+                self.level *= (seconds / (self.level * costs.predict(size))) ** self.level_weight
+            costs.add(size, seconds / self.level)
 
 
 def make_policy(cfg: PolicyConfig) -> DraftPolicy:
