@@ -74,6 +74,31 @@ def test_seeded_sampling_continues_the_stream(tiny_qwen2):
     assert out == ref
 
 
+def test_speculating_decode_worker_reads_the_drafts_backlog_in_chunks(tiny_qwen2):
+    """The KV that arrives holds no draft KV: the decode worker's draft reads the prompt
+    `draft_catch_up` tokens per step before its first round, instead of stalling one step for
+    all of it. An identical draft then accepts every token, and the output is the single engine's."""
+    fp32 = dict(weight_format="fp32")
+    with one_thread():
+        ref = run_single(engine(tiny_qwen2, **fp32), PROMPTS, params)
+        a = engine(tiny_qwen2, **fp32)
+        b = engine(tiny_qwen2, speculative_model=tiny_qwen2, speculative_weight_format="fp32",
+                   num_speculative_tokens=3, **fp32)
+        b.draft_catch_up = 8
+        reads = []
+        prefill, propose = b.proposer.prefill, b.proposer.propose
+        b.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
+                                            prefill(batch))
+        b.proposer.propose = lambda batch, row_for: (
+            reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch), propose(batch, row_for))[1]
+        out, _ = run_split(a, b, PROMPTS, params)
+    assert out == ref
+    assert max(reads) <= 8 and reads.count(8) >= len(PROMPTS[0]) // 8
+    stats = b.spec_stats()
+    assert stats["accepted"] == stats["proposed"] > 0
+    assert b.pool.num_free == b.pool.num_blocks and not b.requests
+
+
 def test_receiver_without_room_refuses_untouched_then_takes_the_transfer_once_pages_free(tiny_qwen2):
     with one_thread():
         ref = run_single(engine(tiny_qwen2), PROMPTS[:1], lambda: params(4))[0]

@@ -8,7 +8,7 @@ import torch
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
-from hetserve.spec.policy import POLICIES
+from hetserve.spec.policy import POLICIES, DraftPolicy, PolicyConfig
 from hetserve.spec.proposer import VocabularyMismatch
 from tiny_model import write_tiny_gguf
 
@@ -143,6 +143,44 @@ def test_draft_reads_prompt_chunks_in_the_targets_prefill_steps(tiny_qwen2):
     assert eng.pool.draft_ready.any()
     eng.scheduler.pool.free(eng.scheduler.pool.allocate(eng.pool.num_blocks))
     assert not eng.pool.draft_ready.any()
+    assert_pages_back(llm)
+
+
+class DraftLater(DraftPolicy):
+    """No drafts for the first `wait` decode steps (as a cost policy that stopped), then K."""
+
+    def __init__(self, k: int, wait: int):
+        super().__init__(PolicyConfig("fixed", k))
+        self.wait = wait
+
+    def draft_len(self, st):
+        return 0 if st.k_histogram.get(0, 0) < self.wait else st.k
+
+
+def test_a_long_draft_backlog_is_read_in_chunks_between_rounds(tiny_qwen2):
+    """A draft that lags far behind (no drafts so far, or KV that came from a prefill worker)
+    reads its backlog `draft_catch_up` tokens per decode step, not all in one round's first
+    forward, which would stall every running request. An identical draft then still accepts
+    every token, so the KV it read in chunks is the right one."""
+    llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=3, weight_format="fp32",
+               speculative_weight_format="fp32", enable_prefix_caching=False)
+    eng = llm.engine
+    eng.draft_catch_up = 6
+    eng.set_speculation(DraftLater(3, wait=20), 0.0)
+    reads = []
+    prefill, propose = eng.proposer.prefill, eng.proposer.propose
+    eng.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
+                                          prefill(batch))
+    eng.proposer.propose = lambda batch, row_for: (reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch),
+                                                   propose(batch, row_for))[1]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]  # 40 prompt tokens
+    alone = make(tiny_qwen2, weight_format="fp32").generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    assert out.token_ids == alone.token_ids
+    # K = 0 at prefill: no draft prefill; 20 decode steps later 60 tokens to read, 6 at a time.
+    assert reads[:10] == [6] * 10 and max(reads) <= 6
+    spec = out.metrics["spec_decode"]
+    assert spec["accepted"] == spec["proposed"] > 0 and spec["k_histogram"][0] >= 20 + 9
     assert_pages_back(llm)
 
 

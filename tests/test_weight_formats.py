@@ -56,7 +56,7 @@ def test_quantizer_keeps_the_format(fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("k", [160, 544, 576, 896])  # 5, 17, 18, 28 groups: 8 at a time plus a remainder
+@pytest.mark.parametrize("k", [160, 256, 544, 576, 896])  # 5, 8, 17, 18, 28 groups: 8 at a time plus a remainder
 def test_kernel_computes_the_stated_math(fmt, m, k):
     torch.manual_seed(m)
     w, b = torch.randn(70, k), torch.randn(70)  # 70 rows: a remainder after blocks of 4

@@ -12,7 +12,7 @@ from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
-from ..spec.policy import CostPolicy, DraftPolicy, PolicyConfig, make_policy, spec_summary
+from ..spec.policy import CostPolicy, DraftPolicy, PolicyConfig, StepCosts, make_policy, spec_summary
 from ..spec.proposer import DraftProposer, time_forward
 from .config import EngineConfig, parse_bytes
 from .flight import FlightCoordinator
@@ -240,11 +240,23 @@ class EngineCore:
         return outputs
 
     # -- speculative decoding --------------------------------------------------------------------
-    def _draft_len(self, req: Request) -> int:
+    # Tokens the draft may lag behind and still catch up inside a round's first draft forward. A
+    # longer backlog (a request whose KV came from a prefill worker without the draft's, or a
+    # cost-policy probe after a long stretch without drafts) is read in chunks of this many
+    # tokens in decode steps without drafts. Read at once, a backlog stalls every running
+    # request for its whole length (1.05 s for 179 tokens on the 0.5B draft on CPU).
+    draft_catch_up = 32
+
+    def _wanted_draft_len(self, req: Request) -> int:
         """The policy's K, capped so that committed tokens stay within max_tokens and the context."""
         k = self.spec_policy.draft_len(req.spec)
         return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
+
+    def _draft_len(self, req: Request) -> int:
+        """K for the scheduler: the wanted K, or 0 while the draft has a backlog to read first."""
+        k = self._wanted_draft_len(req)
+        return k if req.num_tokens - req.num_draft_computed <= self.draft_catch_up else 0
 
     def make_spec_policy(self, name: str, k: int) -> DraftPolicy:
         """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
@@ -284,9 +296,10 @@ class EngineCore:
         page_size = self.config.page_size
         t0 = time.perf_counter()
         time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
-        # Sizes interleaved, three passes, median per size: a burst of load from elsewhere on a
+        # Sizes interleaved, five passes, median per size: a burst of load from elsewhere on a
         # shared machine then spoils one sample of several sizes, not every sample of one size
-        # (which would tilt the policy towards or away from that K). The draft's forwards are in
+        # (which would tilt the policy towards or away from that K). These relative costs stay
+        # (live steps move a shared load level; see CostPolicy.observe). The draft's forwards are in
         # the same passes: timed after the target's, a load change between the two had tilted
         # K = 0 against K >= 1. A round's first draft forward also reads the tokens the last
         # verification committed (two after a fully accepted round); each further one reads one.
@@ -294,11 +307,11 @@ class EngineCore:
         timings = [(pol.target, n, model, n) for n in range(1, pol.cfg.k_max + 2)]
         timings += [(pol.draft, 1, draft, 1), (pol.draft_first, 1, draft, 2)]
         samples: list[list[float]] = [[] for _ in timings]
-        for _ in range(3):
+        for _ in range(5):
             for (_, _, (m, caches), tokens), got in zip(timings, samples):
                 got.append(time_forward(m, caches, tokens, pages, page_size, repeats=1))
         for (costs, size, _, _), got in zip(timings, samples):
-            costs.add(size, statistics.median(got))
+            costs.add(size, statistics.median(got), count=StepCosts.settle)
         log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms)",
                  time.perf_counter() - t0, [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
                  pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3)
@@ -307,17 +320,21 @@ class EngineCore:
         """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a
         request's first round proposes at once: catching up over a whole prompt inside a decode
         step would stall every running request (1.05 s for the 179-token code prompt of `bench
-        speculative` on the 0.5B draft on CPU). Its tokens come on top of the step's budget, at the draft's cost (a third
-        of the target's for 0.5B/1.5B); its span also covers restored pages that lacked the
-        draft's KV (BlockPool.draft_ready). Skipped where no round would draft: K = 0 now (the
-        cost policy's judgement), a prefill-only request (its KV leaves for a decode worker
-        without the draft's), a decode step."""
+        speculative` on the 0.5B draft on CPU). Its tokens come on top of the step's budget, at
+        the draft's cost (a third of the target's for 0.5B/1.5B); its span also covers restored
+        pages that lacked the draft's KV (BlockPool.draft_ready). A decoding request whose draft
+        lags more than `draft_catch_up` tokens reads that many of them. Skipped where no round
+        would draft: K = 0 now (the cost policy's judgement), a prefill-only request (its KV
+        leaves for a decode worker without the draft's), a step that verifies drafts."""
         batch = []
         for req, n in sched.scheduled:
-            prefilling = n > 1 or req.num_computed_tokens < req.num_prompt_tokens
-            if (prefilling and req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
-                    and self._draft_len(req) > 0):
+            if (req.request_id in sched.num_drafts or req.request_id in self.prefill_only
+                    or self._wanted_draft_len(req) == 0):
+                continue
+            if n > 1 or req.num_computed_tokens < req.num_prompt_tokens:
                 batch.append((req, req.num_computed_tokens + n))
+            elif req.num_tokens - req.num_draft_computed > self.draft_catch_up:
+                batch.append((req, req.num_draft_computed + self.draft_catch_up))
         if batch:
             with trace.span("draft prefill", requests=len(batch)):
                 self.proposer.prefill(batch)
