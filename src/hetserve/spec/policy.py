@@ -150,11 +150,12 @@ class CostPolicy(DraftPolicy):
     also reads the tokens the last verification committed (two per request after a fully
     accepted round). Pricing every draft forward alike averaged that catch-up into all of them
     and undervalued K >= 2 (on code, K = 2 or 3 decodes 4-5% faster than K = 1 on the
-    1.5B/0.5B pair on CPU). StepCosts: timed by the engine at start (target 1 .. k_max + 1
-    tokens; draft forwards of 1 and 2 tokens), then kept current from every decode step
-    (`observe`). It picks argmax E(K) / T(K) over 0..k_max; K = 0 only while it is best even for
-    alpha raised by a bonus that shrinks as the request's own trials grow (`optimism`). Before the target's plain
-    decode cost is measured it does not draft; before the draft's cost is known it drafts K. A
+    1.5B/0.5B pair on CPU). StepCosts: relative costs timed by the engine at start (target
+    1 .. k_max + 1 tokens; draft forwards of 1 and 2 tokens) or settled from a new size's first
+    live samples, times a load level that every decode step moves (`observe`). It picks argmax
+    E(K) / T(K) over 0..k_max; K = 0 only while it is best even for alpha raised by a bonus that
+    shrinks as the request's own trials grow (`optimism`). Before the target's plain decode
+    cost is measured it does not draft; before the draft's cost is known it drafts K. A
     request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
     probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
     also pays for the draft catching up over the tokens it skipped."""
@@ -220,10 +221,10 @@ class CostPolicy(DraftPolicy):
         if k == 0 and (st.rounds_without_draft >= st.probe_interval or self.best_k(self.hopeful_alpha(st)) > 0):
             return self.best_k(alpha, lo=1)
         if k and st.rounds % self.explore_every == self.explore_every - 1:
-            # Every few rounds one more draft: the costs of K + 1 are then timed live, with the
-            # per-round overheads that the start-up's scratch forwards lack. Without it a run
-            # settled on K = 1 judged K = 2 by start-up costs alone and kept K = 1, about 5%
-            # slower on code. The neighbour of the best K costs at most a few percent once.
+            # Every few rounds one more draft, which costs at most a few percent once (the rates
+            # of neighbouring K lie within 6% of each other on code): the request's acceptance
+            # is tried one token deeper, and a size the start-up did not time (a batch of
+            # several requests) gets live samples to settle its cost from.
             return min(k + 1, self.cfg.k_max)
         return k
 
