@@ -55,16 +55,16 @@ def test_step_costs_interpolate_and_extrapolate_measured_sizes():
     for _ in range(StepCosts.settle):
         c.add(4, 1.0)
     assert c.predict(4) == pytest.approx((0.09 + 0.07 + 3 * 1.0) / 5)  # then fixed
-    c.add(6, 0.5, count=StepCosts.settle)
-    c.add(6, 5.0)
-    assert c.predict(6) == 0.5  # a start-up median counts as settled
+    c.add(6, 5.0, count=StepCosts.settle)
+    c.add(6, 0.5)
+    assert c.predict(6) == 5.0  # a start-up median counts as settled
     flat = StepCosts()
     flat.add(4, 0.3)
     assert flat.known and flat.predict(10) == 0.3  # one size seen: no slope to extrapolate
     dropping = StepCosts()
     dropping.add(1, 0.5)
     dropping.add(2, 0.4)
-    assert dropping.known and dropping.predict(6) == 0.4  # never cheaper with more tokens
+    assert dropping.known and dropping.predict(2) == dropping.predict(6) == 0.5  # never cheaper with more tokens
 
 
 def cost_policy(target_a, target_b, draft_s, k_max=8, first_s=None) -> CostPolicy:
