@@ -255,8 +255,9 @@ class EngineCore:
 
     def _draft_len(self, req: Request) -> int:
         """K for the scheduler: the wanted K, or 0 while the draft has a backlog to read first."""
-        k = self._wanted_draft_len(req)
-        return k if req.num_tokens - req.num_draft_computed <= self.draft_catch_up else 0
+        if req.num_tokens - req.num_draft_computed > self.draft_catch_up:
+            return 0
+        return self._wanted_draft_len(req)
 
     def make_spec_policy(self, name: str, k: int) -> DraftPolicy:
         """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
@@ -328,13 +329,15 @@ class EngineCore:
         leaves for a decode worker without the draft's), a step that verifies drafts."""
         batch = []
         for req, n in sched.scheduled:
-            if (req.request_id in sched.num_drafts or req.request_id in self.prefill_only
-                    or self._wanted_draft_len(req) == 0):
-                continue
             if n > 1 or req.num_computed_tokens < req.num_prompt_tokens:
-                batch.append((req, req.num_computed_tokens + n))
+                end = req.num_computed_tokens + n
             elif req.num_tokens - req.num_draft_computed > self.draft_catch_up:
-                batch.append((req, req.num_draft_computed + self.draft_catch_up))
+                end = req.num_draft_computed + self.draft_catch_up
+            else:
+                continue  # a plain decode or a round: the draft has nothing to read here
+            if (req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
+                    and self._wanted_draft_len(req) > 0):
+                batch.append((req, end))
         if batch:
             with trace.span("draft prefill", requests=len(batch)):
                 self.proposer.prefill(batch)

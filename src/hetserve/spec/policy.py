@@ -100,9 +100,9 @@ class StepCosts:
     """Cost of a forward by its size (tokens, or batch rows), in units of the policy's load
     level: the mean of a size's first `settle` samples, then fixed; never less than a smaller
     size's, linear between sizes, extended past the largest with the slope of the last two and
-    flat below the smallest. A verification's cost is far from linear in its rows on a CPU (measured on
-    the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows 1.9), so one fitted
-    line misjudges exactly the short drafts that pay. Fixed, because samples of one size cannot
+    flat below the smallest. A verification's cost is far from linear in its rows on a CPU
+    (measured on the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows 1.9),
+    so one fitted line misjudges exactly the short drafts that pay. Fixed, because samples of one size cannot
     tell its own cost from the load: a cost that kept adapting to its samples while the level
     did too took a random walk against the costs of the sizes not run (see CostPolicy.observe)."""
 
