@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetserve import LLM, SamplingParams
-from hetserve.layers.sampler import SamplingRow, apply_penalties, draw, filter_logits, sample
+from hetserve.layers.sampler import SamplingRow, apply_penalties, draw, filter_logits, filtered_probs, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.1, -0.3, -1.0, -2.0, 0.9, 1.1])
 
@@ -74,6 +74,31 @@ def test_top_p_on_a_large_vocabulary_keeps_the_reference_set(top_p):
         kept = torch.isfinite(filter_logits(logits.float(), params)).numpy()
         expected = expected_probs(logits.numpy(), 1.0, 0, top_p, 0.0) > 0
         assert (kept == expected).all(), (seed, kept.sum(), expected.sum())
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(20, 1.0, 0.0), (20, 0.8, 0.0), (50, 0.9, 0.05), (1, 0.5, 0.0)])
+def test_top_k_probabilities_scored_on_the_top_k_alone_match_the_rules(top_k, top_p, min_p):
+    """filtered_probs scores only the k most probable tokens: the same distribution as the
+    rules over the whole vocabulary, also where a tie at the k-th value (kept whole by top-k)
+    sends it to the dense path, and where -inf logits (blocked tokens) fill the top k."""
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=1)
+    for seed in range(4):
+        logits = torch.randn(50000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+        if seed == 2:
+            logits[max(1, top_k // 2):] = float("-inf")  # fewer finite logits than k
+        got = filtered_probs(logits.float(), params)
+        if seed == 1:  # a tie across the k-th value: the dense path, every tied token kept
+            top = torch.topk(logits, top_k + 3).indices
+            logits[top[max(top_k - 2, 0):]] = float(logits[top[top_k - 1]])
+            got, dense = filtered_probs(logits.float(), params), filter_logits(logits.float(), params).softmax(-1)
+            assert torch.equal(got, dense)
+            if top_p == 1.0:
+                assert bool((got[top] > 0).all())
+            continue
+        expected = torch.from_numpy(expected_probs(logits.numpy(), 0.7, top_k, top_p, min_p)).float()
+        assert torch.equal(got > 0, expected > 0), seed
+        assert torch.allclose(got, expected, atol=1e-6), seed
+        assert torch.allclose(got, filter_logits(logits.float(), params).softmax(-1), atol=1e-6), seed
 
 
 def test_draw_never_picks_a_zero_probability_token(monkeypatch):

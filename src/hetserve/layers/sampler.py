@@ -76,10 +76,35 @@ def _top_p(logits: torch.Tensor, top_p: float, k: int) -> torch.Tensor:
     return out
 
 
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """softmax(filter_logits(logits, p)) for one row of logits (penalties already applied).
+    With top-k, only the k most probable tokens are scored: each op over the whole vocabulary
+    costs about 0.1-0.4 ms at 152k on this project's CPU, and the dense path's eight of them
+    took 2.3 ms per row; speculative sampling needs a row per draft and per verified position
+    (17 ms of a 190 ms round at K = 3). The same tokens are kept (a tie at the k-th value, which
+    top-k keeps whole, takes the dense path); probabilities agree to float32 rounding."""
+    vocab = logits.shape[-1]
+    if 0 < p.top_k < vocab:
+        k = p.top_k
+        top, order = torch.topk(logits / p.temperature, k + 1)  # one more: is the k-th value tied?
+        if bool(torch.isfinite(top[k - 1])) and bool(top[k] < top[k - 1]):
+            top, order = top[:k], order[:k]
+            probs = top.softmax(-1)  # descending
+            keep = (probs.cumsum(-1) - probs) < p.top_p if p.top_p < 1.0 else torch.ones_like(probs, dtype=torch.bool)
+            keep[0] = True
+            if p.min_p > 0.0:
+                kept = probs * keep
+                keep &= kept >= p.min_p * kept.max()
+            out = torch.zeros_like(logits)
+            out[order[keep]] = top[keep].softmax(-1)
+            return out
+    return filter_logits(logits, p).softmax(-1)
+
+
 def distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The probabilities a non-greedy row draws from (penalties, masking, temperature, filters);
     speculative decoding computes the target's and the draft's distributions with this one rule."""
-    return filter_logits(apply_penalties(logits, row), row.params).softmax(-1)
+    return filtered_probs(apply_penalties(logits, row), row.params)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -115,8 +140,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     for i, row in enumerate(rows):
         if row.params.greedy:
             continue
-        probs = filter_logits(logits[i], row.params).softmax(-1)
-        tokens[i] = draw(probs, row.generator)
+        tokens[i] = draw(filtered_probs(logits[i], row.params), row.generator)
     for j, i in enumerate(want):
         logprobs[i] = logprob_entry(raw_logprobs[j], tokens[i], rows[i].params.logprobs)
     return tokens, logprobs
