@@ -89,8 +89,8 @@ def test_speculating_decode_worker_reads_the_drafts_backlog_in_chunks(tiny_qwen2
         prefill, propose = b.proposer.prefill, b.proposer.propose
         b.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
                                             prefill(batch))
-        b.proposer.propose = lambda batch, row_for: (
-            reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch), propose(batch, row_for))[1]
+        b.proposer.propose = lambda batch, *args: (
+            reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch), propose(batch, *args))[1]
         out, _ = run_split(a, b, PROMPTS, params)
     assert out == ref
     assert max(reads) <= 8 and reads.count(8) >= len(PROMPTS[0]) // 8

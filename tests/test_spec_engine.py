@@ -171,8 +171,8 @@ def test_a_long_draft_backlog_is_read_in_chunks_between_rounds(tiny_qwen2):
     prefill, propose = eng.proposer.prefill, eng.proposer.propose
     eng.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
                                           prefill(batch))
-    eng.proposer.propose = lambda batch, row_for: (reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch),
-                                                   propose(batch, row_for))[1]
+    eng.proposer.propose = lambda batch, *args: (reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch),
+                                                 propose(batch, *args))[1]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]  # 40 prompt tokens
     alone = make(tiny_qwen2, weight_format="fp32").generate([PROMPTS[3]], params, use_tqdm=False)[0]
@@ -181,6 +181,43 @@ def test_a_long_draft_backlog_is_read_in_chunks_between_rounds(tiny_qwen2):
     assert reads[:10] == [6] * 10 and max(reads) <= 6
     spec = out.metrics["spec_decode"]
     assert spec["accepted"] == spec["proposed"] > 0 and spec["k_histogram"][0] >= 20 + 9
+    assert_pages_back(llm)
+
+
+class Unsure(DraftPolicy):
+    """Fixed K, but a round drafts no further after a token of draft probability below `least`;
+    records every probability it is shown."""
+
+    def __init__(self, k: int, least: float):
+        super().__init__(PolicyConfig("fixed", k))
+        self.least, self.seen = least, []
+
+    def keep_drafting(self):
+        return lambda p: self.seen.append(p) or p >= self.least
+
+
+@pytest.mark.parametrize("least", [2.0, 0.07])
+def test_a_round_stops_drafting_after_a_token_the_draft_was_unsure_of(tiny_qwen2, drafts, target_only, least):
+    """Rounds that stop early verify fewer rows (K in the stats is what was drafted) and still
+    give the target's tokens, alone and batched; their spare pages come back. least = 2: every
+    round stops after its first draft; 0.07: about the median of the tiny near draft's
+    probabilities (0.03-0.35)."""
+    llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=4)
+    policy = Unsure(4, least)
+    llm.engine.set_speculation(policy, 0.0)
+    rounds = []  # (rows run, drafts) of each speculating request in each step
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda scheduled: (
+        rounds.extend((n, len(r.spec_token_ids)) for r, n in scheduled if r.spec_token_ids), execute(scheduled))[1]
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+    assert [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS] == target_only
+    assert rounds and all(n == k + 1 for n, k in rounds)  # the target runs the drafts made, not the K scheduled
+    hist = llm.engine.spec_stats()["k_histogram"]
+    assert policy.seen and all(0.0 < p <= 1.0 for p in policy.seen)
+    if least > 1:
+        assert hist.get(1) and set(hist) <= {0, 1}  # K = 0: the last token of a request drafts nothing
+    else:
+        assert hist.get(4) and set(hist) - {4}, hist  # some rounds ran their K, some stopped
     assert_pages_back(llm)
 
 

@@ -75,6 +75,16 @@ def cost_policy(target_a, target_b, draft_s, k_max=8, first_s=None) -> CostPolic
     return p
 
 
+def test_only_the_cost_policy_stops_a_round_on_the_drafts_confidence():
+    """The issue's policies draft their K; `cost` drafts no further after a token the draft gave
+    less than `confidence` (that token is still verified), and confidence 0 turns it off."""
+    for name in ("fixed", "acceptance-rate", "accepted-length"):
+        assert make_policy(PolicyConfig(name, confidence=0.8)).keep_drafting() is None
+    keep = make_policy(PolicyConfig("cost", confidence=0.8)).keep_drafting()
+    assert keep(0.8) and keep(0.99) and not keep(0.79) and not keep(0.0)
+    assert make_policy(PolicyConfig("cost", confidence=0.0)).keep_drafting() is None
+
+
 @pytest.mark.parametrize("alpha,draft_s,expected", [
     (0.9, 0.05, range(5, 9)),  # cheap draft, high acceptance: long drafts
     (0.1, 0.05, range(0, 2)),  # drafts rarely accepted: (almost) no speculation

@@ -91,16 +91,18 @@ def test_budget_one_accepts_every_draft_and_zero_distance_accepts_all():
     assert torch.any(_accept_each(p, q, torch.tensor(0.0, dtype=p.dtype))[drafted] < 1.0)
 
 
-def _sample_rounds(p1, q1, p2, q2, d, n, seed) -> tuple[torch.Tensor, float]:
+def _sample_rounds(p1, q1, p2, q2, d, n, seed, least=0.0) -> tuple[torch.Tensor, float]:
     """n independent two-draft rounds through verify_sampled; returns counts of (y1, y2) and the
-    fraction of drafts accepted."""
+    fraction of drafts accepted. A round whose first draft had probability below `least` under
+    the draft stops there (the cost policy's confidence stop): one draft, then the bonus."""
     p1, q1, p2, q2 = (t.float() for t in (p1, q1, p2, q2))
     g = torch.Generator().manual_seed(seed)
     x1 = torch.multinomial(q1.expand(n, V), 1, replacement=True, generator=g)[:, 0]
     x2 = torch.multinomial(q2[x1], 1, generator=g)[:, 0]
+    num_drafts = torch.where(q1[x1] >= least, 2, 1).tolist()
     p = torch.stack([p1.expand(n, V), p2[x1], torch.full((n, V), 1.0 / V)], 1)  # bonus position: unused here
     q = torch.stack([q1.expand(n, V), q2[x1]], 1)
-    v = verify_sampled(p, q, torch.stack([x1, x2], 1), [2] * n, torch.full((n,), d), [None] * n, g)
+    v = verify_sampled(p, q, torch.stack([x1, x2], 1), num_drafts, torch.full((n,), d), [None] * n, g)
     y1 = torch.tensor([t[0] for t in v.tokens])
     y2 = torch.tensor([t[1] if len(t) > 1 else -1 for t in v.tokens])
     short = (y2 < 0).nonzero()[:, 0]  # rounds that emitted one token: a one-draft round at context y1
@@ -111,7 +113,7 @@ def _sample_rounds(p1, q1, p2, q2, d, n, seed) -> tuple[torch.Tensor, float]:
                            torch.full((len(short),), d), [None] * len(short), g)
         y2[short] = torch.tensor([t[0] for t in w.tokens])
     counts = torch.bincount(y1 * V + y2, minlength=V * V).double().view(V, V)
-    return counts, sum(v.num_accepted) / (2 * n)
+    return counts, sum(v.num_accepted) / sum(num_drafts)
 
 
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -131,6 +133,30 @@ def test_seeded_draws_match_pi_chi_square(d):
     assert _chi_square_p_value(counts, expected) > P_VALUE_BOUND
     if d == 1.0:
         assert accepted == 1.0
+
+
+@pytest.mark.parametrize("d", [0.0, 0.5])
+def test_rounds_that_stop_on_the_drafts_own_probability(d):
+    """The cost policy ends a round's drafting after a token the draft gave low probability; here
+    about half the first drafts stop their round (one draft, then the bonus from p2). That choice
+    depends on the draft's side alone, so lossless output stays exactly p. With a TV budget, a
+    stopped round's next token is the target's bonus, drawn from p2 where a second draft would
+    have given pi2: closer to the target, never further."""
+    p1, q1, p2, q2 = _dists(7)
+    least = float(q1[q1 > 0].median())
+    stops = q1 < least
+    assert 0.1 < float(q1[stops].sum()) < 0.9  # both kinds of round are common
+    D = torch.tensor(d, dtype=p1.dtype)
+    acc1 = _accept_each(p1, q1, D)
+    rej1 = (q1 * (1 - acc1)).sum()
+    pi2 = torch.stack([_pi(p2[y], q2[y], d) for y in range(V)])
+    second_after_accept = torch.where(stops[:, None], p2, pi2)
+    expected = (q1 * acc1)[:, None] * second_after_accept + (rej1 * residual(p1, q1))[:, None] * pi2
+    assert torch.isclose(expected.sum(), torch.tensor(1.0, dtype=expected.dtype))
+    if d == 0.0:
+        assert torch.allclose(expected, p1[:, None] * p2)
+    counts, _ = _sample_rounds(p1, q1, p2, q2, d, 60_000, seed=13, least=least)
+    assert _chi_square_p_value(counts, expected) > P_VALUE_BOUND
 
 
 def test_lossless_draws_reject_a_wrong_distribution():

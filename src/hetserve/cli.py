@@ -45,6 +45,8 @@ _ENGINE_HELP = {
     "spec_acceptance_low": "acceptance-rate policy: K - 1 when a round's acceptance is below this",
     "spec_acceptance_high": "acceptance-rate policy: K + 1 when a round's acceptance is above this",
     "spec_ema_alpha": "accepted-length policy: weight of the newest round in the smoothed accepted length",
+    "spec_confidence": "cost policy: a round drafts no further after a token the draft gave less than this "
+                       "probability (0 = always K); output stays exact",
 }
 
 

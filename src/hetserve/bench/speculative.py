@@ -49,13 +49,15 @@ CONFIGS = {
     "acceptance-rate": dict(spec_policy="acceptance-rate", num_speculative_tokens=4),
     "accepted-length": dict(spec_policy="accepted-length", num_speculative_tokens=4),
     "cost": dict(spec_policy="cost", num_speculative_tokens=4),
+    "cost-every-k": dict(spec_policy="cost", num_speculative_tokens=4, spec_confidence=0.0),
     "tv-0": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.0),
     "tv-0.5": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.5),
     "tv-0.75": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=0.75),
     "tv-1": dict(spec_policy="fixed", num_speculative_tokens=8, spec_tv_budget=1.0),
 }
-# Not run unless named: the short fixed drafts that pay best on a CPU, the yardstick for `cost`.
-ON_REQUEST = ("fixed-2", "fixed-3")
+# Not run unless named: the short fixed drafts that pay best on a CPU, the yardstick for `cost`,
+# and `cost` drafting its whole K every round (no stop on the draft's confidence).
+ON_REQUEST = ("fixed-2", "fixed-3", "cost-every-k")
 
 
 def _load(args, engine_kw: dict, model: str, settings: dict | None):
@@ -117,7 +119,8 @@ def _run_interleaved(args, engine_kw: dict, names: list[str]) -> dict:
     llm = _load(args, engine_kw, args.model, dict(spec_policy="fixed", num_speculative_tokens=2))  # warms the draft
     eng = llm.engine
     settings = {name: (eng.make_spec_policy("fixed", 0), 0.0) if CONFIGS[name] is None else
-                (eng.make_spec_policy(CONFIGS[name]["spec_policy"], CONFIGS[name]["num_speculative_tokens"]),
+                (eng.make_spec_policy(CONFIGS[name]["spec_policy"], CONFIGS[name]["num_speculative_tokens"],
+                                      CONFIGS[name].get("spec_confidence")),
                  CONFIGS[name].get("spec_tv_budget", 0.0)) for name in names}
     work = [(name, pname, temp, seeds) for name in names for pname, temp, seeds in _cells(args, name)]
     runs = {(name, pname, temp): [] for name, pname, temp, _ in work}

@@ -50,6 +50,7 @@ class EngineConfig:
     spec_acceptance_low: float = 0.4  # acceptance-rate policy: K - 1 below, K + 1 above spec_acceptance_high
     spec_acceptance_high: float = 0.8
     spec_ema_alpha: float = 0.5  # accepted-length policy: weight of the newest round
+    spec_confidence: float = 0.8  # cost policy: a round drafts no further after a token of lower draft probability (0 = off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "page_size"):
@@ -89,7 +90,7 @@ class EngineConfig:
         v = self.speculative_draft_vocab
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"speculative_draft_vocab must be a non-negative integer (0 = all), got {v!r}")
-        for name in ("spec_tv_budget", "spec_acceptance_low", "spec_acceptance_high", "spec_ema_alpha"):
+        for name in ("spec_tv_budget", "spec_acceptance_low", "spec_acceptance_high", "spec_ema_alpha", "spec_confidence"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")

@@ -259,11 +259,13 @@ class EngineCore:
             return 0
         return self._wanted_draft_len(req)
 
-    def make_spec_policy(self, name: str, k: int) -> DraftPolicy:
-        """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
+    def make_spec_policy(self, name: str, k: int, confidence: float | None = None) -> DraftPolicy:
+        """A draft policy within this engine's K bounds; a `cost` policy comes measured.
+        confidence: the cost policy's spec_confidence, if not this engine's."""
         c = self.config
         policy = make_policy(PolicyConfig(name, k, c.spec_k_min, c.spec_k_max, c.spec_acceptance_low,
-                                          c.spec_acceptance_high, c.spec_ema_alpha))
+                                          c.spec_acceptance_high, c.spec_ema_alpha,
+                                          c.spec_confidence if confidence is None else confidence))
         if isinstance(policy, CostPolicy):
             self._measure_spec_costs(policy)
         return policy
@@ -349,14 +351,21 @@ class EngineCore:
         batch = [(r, sched.num_drafts[r.request_id]) for r, _ in sched.scheduled if r.request_id in sched.num_drafts]
         catch_up = sum(r.num_tokens - r.num_draft_computed for r, _ in batch)
         with trace.span("propose", requests=len(batch)):
-            proposals = self.proposer.propose(batch, self.runner.row_for)
+            proposals = self.proposer.propose(batch, self.runner.row_for, self.spec_policy.keep_drafting())
         for req, _ in batch:
             prop = proposals[req.request_id]
             req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs
+        short = {req.request_id: k - len(proposals[req.request_id].tokens) for req, k in batch}
+        if any(short.values()):  # rounds that stopped early verify fewer rows (their spare pages go at trim)
+            sched.scheduled = [(r, n - short.get(r.request_id, 0)) for r, n in sched.scheduled]
+            for rid, k in sched.num_drafts.items():
+                sched.num_drafts[rid] = k - short.get(rid, 0)
         times = self.proposer.last_forward_seconds
         if catch_up > 2 * len(batch) or not times:
             return []
-        return [times[0]] + ([statistics.fmean(times[1:])] if len(times) > 1 else [])
+        # Later forwards count where every request still drafted: draft(B) is a forward of B rows.
+        later = [t for t, rows in zip(times[1:], self.proposer.last_forward_rows[1:]) if rows == len(batch)]
+        return [times[0]] + ([statistics.fmean(later)] if later else [])
 
     def _record_round(self, req: Request, k: int, accepted: int) -> None:
         self.spec_policy.update(req.spec, k, accepted)

@@ -5,13 +5,15 @@
   threshold, K + 1 above the high one, within [k_min, k_max].
 - accepted-length: s <- a * accepted + (1 - a) * s; K = clamp(round(s) + 1, k_min, k_max).
 - cost: K in 0..k_max maximising expected tokens per second, from the measured step costs of
-  the draft and the target and the request's running per-token acceptance (see CostPolicy).
+  the draft and the target and the request's running per-token acceptance (see CostPolicy);
+  a round stops drafting early after a token the draft itself was unsure of (`keep_drafting`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 POLICIES = ("fixed", "acceptance-rate", "accepted-length", "cost")
@@ -60,6 +62,7 @@ class PolicyConfig:
     low: float = 0.4
     high: float = 0.8
     alpha: float = 0.5
+    confidence: float = 0.0  # cost: stop a round after a draft token of lower draft probability
 
 
 class DraftPolicy:
@@ -71,6 +74,11 @@ class DraftPolicy:
 
     def draft_len(self, st: SpecState) -> int:
         return st.k
+
+    def keep_drafting(self) -> Callable[[float], bool] | None:
+        """A test of each draft token's probability under the draft: where it fails, the round
+        drafts no further (its K allowing). None: every round drafts its K."""
+        return None
 
     def update(self, st: SpecState, proposed: int, accepted: int) -> None:
         st.record(proposed, accepted)
@@ -161,7 +169,16 @@ class CostPolicy(DraftPolicy):
     cost is measured it does not draft; before the draft's cost is known it drafts K. A
     request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
     probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
-    also pays for the draft catching up over the tokens it skipped."""
+    also pays for the draft catching up over the tokens it skipped.
+
+    K is the round's most: a round stops drafting after a token the draft gave less than
+    `cfg.confidence` probability (that token is still verified; its forward is paid). The
+    draft's probability tells one position's odds where alpha, a running mean, cannot: on code
+    at temperature 0 on the 1.5B/0.5B pair, drafts it gave 0.9 or more were accepted 99% of the
+    time, those under 0.5 about 30% (docs/benchmarks.md, "Seventh pass"). So a round drafts
+    deep through a predictable stretch and stops where the next drafts would mostly pay for
+    rows the target rejects. Stopping depends on the draft's side alone, so lossless sampling
+    stays exact."""
 
     probe_every = 16
     max_probe_interval = 256
@@ -230,6 +247,10 @@ class CostPolicy(DraftPolicy):
             # several requests) gets live samples to settle its cost from.
             return min(k + 1, self.cfg.k_max)
         return k
+
+    def keep_drafting(self) -> Callable[[float], bool] | None:
+        least = self.cfg.confidence
+        return (lambda probability: probability >= least) if least > 0 else None
 
     def update(self, st: SpecState, proposed: int, accepted: int) -> None:
         st.record(proposed, accepted)

@@ -94,9 +94,10 @@ class DraftProposer:
         self.model = model
         self.page_size = page_size
         self.kv_caches = model.allocate_kv_cache(num_slots)
-        # Seconds of each draft forward of the last round (with its sampling); the first also
-        # read the tokens the draft had not seen.
+        # Seconds and requests of each draft forward of the last round (with its sampling); the
+        # first also read the tokens the draft had not seen.
         self.last_forward_seconds: list[float] = []
+        self.last_forward_rows: list[int] = []
 
     def _forward(self, spans: list[tuple[object, int, list[int]]], logits: bool) -> torch.Tensor | None:
         """One batched draft forward: per request (req, first position, tokens from there).
@@ -128,9 +129,12 @@ class DraftProposer:
                        for req, end in batch], logits=False)
 
     @torch.inference_mode()
-    def propose(self, batch: list[tuple[object, int]], row_for: RowFor) -> dict[str, Proposal]:
-        """batch: (request, k >= 1). Returns k draft tokens per request (and their distributions)."""
-        self.last_forward_seconds = []
+    def propose(self, batch: list[tuple[object, int]], row_for: RowFor,
+                keep_drafting: Callable[[float], bool] | None = None) -> dict[str, Proposal]:
+        """batch: (request, k >= 1). Returns up to k draft tokens per request (and their
+        distributions): a request drafts no further after a token whose draft probability
+        `keep_drafting` turns down."""
+        self.last_forward_seconds, self.last_forward_rows = [], []
         out = {req.request_id: Proposal([], None) for req, _ in batch}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in batch}
         # Round 0 catches up over every token the draft has not seen; later rounds feed one draft each.
@@ -141,17 +145,24 @@ class DraftProposer:
             spans = [(req, req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]) if step == 0
                      else (req, req.num_tokens + step - 1, out[req.request_id].tokens[-1:]) for req, _ in active]
             logits = self._forward(spans, logits=True)
+            sure = []
             for i, (req, _) in enumerate(active):
                 prop = out[req.request_id]
                 row = row_for(req, prop.tokens)
                 if row.params.greedy:
-                    prop.tokens.append(int(apply_penalties(logits[i], row).argmax()))
+                    scores = apply_penalties(logits[i], row)
+                    token = int(scores.argmax())
+                    p = float(torch.exp(scores[token] - torch.logsumexp(scores, -1))) if keep_drafting else 1.0
                 else:
                     q = distribution(logits[i], row)
-                    prop.tokens.append(draw(q, req.generator))
+                    token = draw(q, req.generator)
+                    p = float(q[token])
                     probs[req.request_id].append(q)
+                prop.tokens.append(token)
+                sure.append(keep_drafting is None or keep_drafting(p))
             step += 1
-            active = [(req, k) for req, k in active if k > step]
+            self.last_forward_rows.append(len(active))
+            active = [(req, k) for (req, k), go_on in zip(active, sure) if go_on and k > step]
             self.last_forward_seconds.append(time.perf_counter() - t0)
         for rid, qs in probs.items():
             if qs:
