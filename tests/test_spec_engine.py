@@ -393,6 +393,7 @@ def test_cost_policy_measures_step_costs_at_start(tiny_qwen2, drafts, target_onl
     assert sorted(pol.target.points) == list(range(1, 7)) and pol.target.known
     assert list(pol.draft.points) == [1] and pol.draft.known
     assert list(pol.draft_first.points) == [1] and pol.draft_first.known  # a 2-token forward
+    assert list(pol.catch_up.points) == [llm.engine.draft_catch_up] and pol.skip_cost() > 0
     assert all(v > 0 for v in pol.target.points.values())
     assert_pages_back(llm)  # the scratch forwards hold no page
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only

@@ -124,6 +124,25 @@ def test_cost_policy_prices_the_first_draft_forward_of_a_round_apart():
     assert rate(3) == max(rate(k) for k in range(5))
 
 
+def test_cost_policy_charges_k0_for_the_backlog_the_draft_must_read():
+    """A request at K = 0 still owes the draft every token, read in chunks before its next
+    probe. Costs as measured on the 1.5B/0.5B pair: target 62 and 71 ms for 1 and 2 tokens, a
+    round's first draft forward 22 ms, a 32-token backlog chunk 200 ms. At acceptance 0.48,
+    K = 1 yields 1.48 tokens in 93 ms (15.9/s) against 1 in 62 ms (16.1/s) without the debt,
+    1 in 68.25 ms (14.7/s) with it."""
+    p = make_policy(PolicyConfig("cost", k=4, k_min=1, k_max=1))
+    p.target.add(1, 0.062, count=StepCosts.settle)
+    p.target.add(2, 0.071, count=StepCosts.settle)
+    p.draft_first.add(1, 0.022, count=StepCosts.settle)
+    p.draft.add(1, 0.018, count=StepCosts.settle)
+    assert p.skip_cost() == 0.0 and p.best_k(0.48) == 0
+    p.catch_up.add(32, 0.200, count=StepCosts.settle)
+    assert p.skip_cost() == pytest.approx(0.200 / 32)
+    assert p.best_k(0.48) == 1 and p.best_k(0.3) == 0
+    p.batch = 2  # two requests at K = 0 leave the draft two tokens a step
+    assert p.best_k(0.48) == 1
+
+
 def test_cost_policy_moves_every_cost_with_the_load():
     """Only the sizes that run are timed; a slower machine must not leave the others looking
     cheap. A shared level follows the load, and the sizes keep their relative costs."""

@@ -286,7 +286,7 @@ class EngineCore:
         requests: time target forwards of 1 .. k_max + 1 tokens and a one-token draft forward on
         pages taken from the pool for the purpose (a cached page among them is evicted first)."""
         page_size = self.config.page_size
-        n_pages = -(-(pol.cfg.k_max + 1) // page_size)
+        n_pages = -(-max(pol.cfg.k_max + 1, self.draft_catch_up) // page_size)
         if n_pages > self.pool.num_free:
             return
         pages = self.pool.allocate(n_pages)
@@ -306,18 +306,22 @@ class EngineCore:
         # the same passes: timed after the target's, a load change between the two had tilted
         # K = 0 against K >= 1. A round's first draft forward also reads the tokens the last
         # verification committed (two after a fully accepted round); each further one reads one.
+        # A chunk of a backlog prices the tokens a request skips at K = 0.
         model, draft = (self.model, self.runner.kv_caches), (self.proposer.model, self.proposer.kv_caches)
         timings = [(pol.target, n, model, n) for n in range(1, pol.cfg.k_max + 2)]
-        timings += [(pol.draft, 1, draft, 1), (pol.draft_first, 1, draft, 2)]
+        timings += [(pol.draft, 1, draft, 1), (pol.draft_first, 1, draft, 2),
+                    (pol.catch_up, self.draft_catch_up, draft, self.draft_catch_up)]
         samples: list[list[float]] = [[] for _ in timings]
         for _ in range(5):
             for (_, _, (m, caches), tokens), got in zip(timings, samples):
                 got.append(time_forward(m, caches, tokens, pages, page_size, repeats=1))
         for (costs, size, _, _), got in zip(timings, samples):
             costs.add(size, statistics.median(got), count=StepCosts.settle)
-        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms)",
-                 time.perf_counter() - t0, [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
-                 pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3)
+        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms, "
+                 "%d tokens of a backlog %.1f ms)", time.perf_counter() - t0,
+                 [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
+                 pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3, self.draft_catch_up,
+                 pol.catch_up.predict(self.draft_catch_up) * 1e3)
 
     def _draft_prefill(self, sched) -> None:
         """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a

@@ -153,7 +153,8 @@ class CostPolicy(DraftPolicy):
     that each draft K:
 
         E(K) = 1 + alpha + ... + alpha^K                                (accepted drafts + the correction/bonus)
-        T(K) = first(B) + (K - 1) * draft(B) + target(B * (1 + K))     (K = 0: target(B) alone)
+        T(K) = first(B) + (K - 1) * draft(B) + target(B * (1 + K))
+        T(0) = target(B) + B * skip                                     (no draft; the draft's debt grows)
 
     with alpha the request's per-token acceptance (decayed counts, the engine-wide rate as a
     prior), target(n) the measured seconds of a target forward of n tokens, draft(B) of a
@@ -161,9 +162,15 @@ class CostPolicy(DraftPolicy):
     also reads the tokens the last verification committed (two per request after a fully
     accepted round). Pricing every draft forward alike averaged that catch-up into all of them
     and undervalued K >= 2 (on code, K = 2 or 3 decodes 4-5% faster than K = 1 on the
-    1.5B/0.5B pair on CPU). StepCosts: relative costs timed by the engine at start (target
-    1 .. k_max + 1 tokens; draft forwards of 1 and 2 tokens) or settled from a new size's first
-    live samples, times a load level that every decode step moves (`observe`). It picks argmax
+    1.5B/0.5B pair on CPU). skip is the draft's cost per token of reading a chunk of a backlog:
+    a request at K = 0 still owes the draft every token it commits, read before its next probe
+    (about 6 ms a token for the 0.5B draft, a tenth of a 1.5B decode step). Left out, K = 0
+    looked free of the draft: a creative run whose acceptance (0.45-0.55) put K = 0 and K = 1
+    within a percent of each other spent 196 of its 237 rounds at K = 0, 0.84x the target alone,
+    where drafting gave 1.12x in the same benchmark run. StepCosts: relative costs timed by the
+    engine at start (target 1 .. k_max + 1 tokens; draft forwards of 1, 2 and a backlog chunk's
+    tokens) or settled from a new size's first live samples, times a load level that every
+    decode step moves (`observe`). It picks argmax
     E(K) / T(K) over 0..k_max; K = 0 only while it is best even for alpha raised by a bonus that
     shrinks as the request's own trials grow (`optimism`). Before the target's plain decode
     cost is measured it does not draft; before the draft's cost is known it drafts K. A
@@ -207,6 +214,7 @@ class CostPolicy(DraftPolicy):
         self.target = StepCosts()
         self.draft = StepCosts()
         self.draft_first = StepCosts()
+        self.catch_up = StepCosts()  # a draft forward over a chunk of a backlog, by its tokens
         self.batch = 1
         self.global_successes = 4.0
         self.global_trials = 8.0
@@ -221,7 +229,7 @@ class CostPolicy(DraftPolicy):
 
     def best_k(self, alpha: float, lo: int = 0) -> int:
         b = max(self.batch, 1)
-        best, best_rate = 0, 1.0 / self.target.predict(b)
+        best, best_rate = 0, 1.0 / (self.target.predict(b) + b * self.skip_cost())
         gain = 1.0
         first = self.draft_first.predict(b) if self.draft_first.points else self.draft.predict(b)
         for k in range(1, self.cfg.k_max + 1):
@@ -230,6 +238,13 @@ class CostPolicy(DraftPolicy):
             if rate > best_rate or (lo and best < lo):
                 best, best_rate = k, rate
         return best
+
+    def skip_cost(self) -> float:
+        """The draft's cost per token it must later read for a request that skipped drafting."""
+        if not self.catch_up.known:
+            return 0.0
+        size = max(self.catch_up.points)
+        return self.catch_up.predict(size) / size
 
     def draft_len(self, st: SpecState) -> int:
         if not self.target.known:
