@@ -182,10 +182,10 @@ class CostPolicy(DraftPolicy):
     `cfg.confidence` probability (that token is still verified; its forward is paid). The
     draft's probability tells one position's odds where alpha, a running mean, cannot: on code
     at temperature 0 on the 1.5B/0.5B pair, drafts it gave 0.9 or more were accepted 99% of the
-    time, those under 0.5 about 30% (docs/benchmarks.md, "Seventh pass"). So a round drafts
-    deep through a predictable stretch and stops where the next drafts would mostly pay for
-    rows the target rejects. Stopping depends on the draft's side alone, so lossless sampling
-    stays exact."""
+    time (95% at 0.7), those under 0.5 about a third (docs/benchmarks.md, "Seventh pass"). So
+    a round drafts deep through a predictable stretch and stops where the next drafts would
+    mostly pay for rows the target rejects. Stopping depends on the draft's side alone, so
+    lossless sampling stays exact."""
 
     probe_every = 16
     max_probe_interval = 256
