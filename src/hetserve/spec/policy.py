@@ -170,9 +170,9 @@ class CostPolicy(DraftPolicy):
     where drafting gave 1.12x in the same benchmark run. StepCosts: relative costs timed by the
     engine at start (target 1 .. k_max + 1 tokens; draft forwards of 1, 2 and a backlog chunk's
     tokens) or settled from a new size's first live samples, times a load level that every
-    decode step moves (`observe`). It picks argmax
-    E(K) / T(K) over 0..k_max; K = 0 only while it is best even for alpha raised by a bonus that
-    shrinks as the request's own trials grow (`optimism`). Before the target's plain decode
+    decode step moves (`observe`). It picks argmax E(K) / T(K) over 0..k_max; K = 0 only while
+    it is best even for alpha raised by a bonus that shrinks as the request's own trials grow
+    (`optimism`). Before the target's plain decode
     cost is measured it does not draft; before the draft's cost is known it drafts K. A
     request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
     probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe

@@ -145,24 +145,25 @@ class DraftProposer:
             spans = [(req, req.num_draft_computed, req.all_token_ids[req.num_draft_computed:]) if step == 0
                      else (req, req.num_tokens + step - 1, out[req.request_id].tokens[-1:]) for req, _ in active]
             logits = self._forward(spans, logits=True)
-            sure = []
-            for i, (req, _) in enumerate(active):
+            go_on = []
+            for i, (req, k) in enumerate(active):
                 prop = out[req.request_id]
                 row = row_for(req, prop.tokens)
+                ask = keep_drafting is not None and k > step + 1  # the last draft needs no test
                 if row.params.greedy:
                     scores = apply_penalties(logits[i], row)
                     token = int(scores.argmax())
-                    p = float(torch.exp(scores[token] - torch.logsumexp(scores, -1))) if keep_drafting else 1.0
+                    p = float(torch.exp(scores[token] - torch.logsumexp(scores, -1))) if ask else 1.0
                 else:
                     q = distribution(logits[i], row)
                     token = draw(q, req.generator)
                     p = float(q[token])
                     probs[req.request_id].append(q)
                 prop.tokens.append(token)
-                sure.append(keep_drafting is None or keep_drafting(p))
+                go_on.append(k > step + 1 and (not ask or keep_drafting(p)))
             step += 1
             self.last_forward_rows.append(len(active))
-            active = [(req, k) for (req, k), go_on in zip(active, sure) if go_on and k > step]
+            active = [entry for entry, more in zip(active, go_on) if more]
             self.last_forward_seconds.append(time.perf_counter() - t0)
         for rid, qs in probs.items():
             if qs:
