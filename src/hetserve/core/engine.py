@@ -253,9 +253,14 @@ class EngineCore:
         return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
+    @staticmethod
+    def _draft_lag(req: Request) -> int:
+        """Tokens the draft has yet to read."""
+        return req.num_tokens - req.num_draft_computed
+
     def _draft_len(self, req: Request) -> int:
         """K for the scheduler: the wanted K, or 0 while the draft has a backlog to read first."""
-        if req.num_tokens - req.num_draft_computed > self.draft_catch_up:
+        if self._draft_lag(req) > self.draft_catch_up:
             return 0
         return self._wanted_draft_len(req)
 
@@ -337,7 +342,7 @@ class EngineCore:
         for req, n in sched.scheduled:
             if n > 1 or req.num_computed_tokens < req.num_prompt_tokens:
                 end = req.num_computed_tokens + n
-            elif req.num_tokens - req.num_draft_computed > self.draft_catch_up:
+            elif self._draft_lag(req) > self.draft_catch_up:
                 end = req.num_draft_computed + self.draft_catch_up
             else:
                 continue  # a plain decode or a round: the draft has nothing to read here
@@ -353,17 +358,14 @@ class EngineCore:
         decoding alone (no long catch-up over a prompt), the seconds of its first draft forward
         and the mean of the others (if any), for the cost policy; else []."""
         batch = [(r, sched.num_drafts[r.request_id]) for r, _ in sched.scheduled if r.request_id in sched.num_drafts]
-        catch_up = sum(r.num_tokens - r.num_draft_computed for r, _ in batch)
+        catch_up = sum(self._draft_lag(r) for r, _ in batch)
         with trace.span("propose", requests=len(batch)):
             proposals = self.proposer.propose(batch, self.runner.row_for, self.spec_policy.keep_drafting())
         for req, _ in batch:
             prop = proposals[req.request_id]
             req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs
-        short = {req.request_id: k - len(proposals[req.request_id].tokens) for req, k in batch}
-        if any(short.values()):  # rounds that stopped early verify fewer rows (their spare pages go at trim)
-            sched.scheduled = [(r, n - short.get(r.request_id, 0)) for r, n in sched.scheduled]
-            for rid, k in sched.num_drafts.items():
-                sched.num_drafts[rid] = k - short.get(rid, 0)
+        # Rounds that stopped early verify fewer rows (their spare pages go at trim).
+        sched.fewer_drafts({req.request_id: k - len(proposals[req.request_id].tokens) for req, k in batch})
         times = self.proposer.last_forward_seconds
         if catch_up > 2 * len(batch) or not times:
             return []

@@ -37,6 +37,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    def fewer_drafts(self, missing: dict[str, int]) -> None:
+        """Requests whose draft proposed `missing[id]` tokens fewer than scheduled compute that many fewer."""
+        if any(missing.values()):
+            self.scheduled = [(r, n - missing.get(r.request_id, 0)) for r, n in self.scheduled]
+            self.num_drafts = {rid: k - missing.get(rid, 0) for rid, k in self.num_drafts.items()}
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None,

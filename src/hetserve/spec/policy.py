@@ -110,9 +110,10 @@ class StepCosts:
     size's, linear between sizes, extended past the largest with the slope of the last two and
     flat below the smallest. A verification's cost is far from linear in its rows on a CPU
     (measured on the 1.5B: 2 rows cost 1.0 decode steps, 3 rows 1.2, 4 rows 1.4, 5 rows 1.9),
-    so one fitted line misjudges exactly the short drafts that pay. Fixed, because samples of one size cannot
-    tell its own cost from the load: a cost that kept adapting to its samples while the level
-    did too took a random walk against the costs of the sizes not run (see CostPolicy.observe)."""
+    so one fitted line misjudges exactly the short drafts that pay. Fixed, because samples of
+    one size cannot tell its own cost from the load: a cost that kept adapting to its samples
+    while the level did too took a random walk against the costs of the sizes not run (see
+    CostPolicy.observe)."""
 
     settle = 5
 
@@ -172,11 +173,11 @@ class CostPolicy(DraftPolicy):
     tokens) or settled from a new size's first live samples, times a load level that every
     decode step moves (`observe`). It picks argmax E(K) / T(K) over 0..k_max; K = 0 only while
     it is best even for alpha raised by a bonus that shrinks as the request's own trials grow
-    (`optimism`). Before the target's plain decode
-    cost is measured it does not draft; before the draft's cost is known it drafts K. A
-    request that stops drafting probes again after `probe_every` rounds, so alpha can recover; a
-    probe that is fully rejected doubles the wait (up to `max_probe_interval`), because each probe
-    also pays for the draft catching up over the tokens it skipped.
+    (`optimism`). Before the target's plain decode cost is measured it does not draft; before
+    the draft's cost is known it drafts K. A request that stops drafting probes again after
+    `probe_every` rounds, so alpha can recover; a probe that is fully rejected doubles the wait
+    (up to `max_probe_interval`), because each probe also pays for the draft catching up over
+    the tokens it skipped.
 
     K is the round's most: a round stops drafting after a token the draft gave less than
     `cfg.confidence` probability (that token is still verified; its forward is paid). The
