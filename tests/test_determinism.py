@@ -1,4 +1,5 @@
-"""Deterministic mode: a request's greedy tokens do not depend on its batch or its prefill chunking."""
+"""Deterministic mode: a request's greedy tokens do not depend on its batch or its prefill chunking,
+checked as a property on whatever CPU runs the tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from hetserve import SamplingParams
-from hetserve.layers.linear import batch_invariant_rows
+from hetserve.layers import native
+from hetserve.layers.linear import Linear, MatmulPolicy, fixed_order_linear
+from hetserve.layers.weight_formats import quantize
 
 REAL_PROMPTS = [
     "def binary_search(arr, target):",
@@ -21,17 +24,112 @@ REAL_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("out_features,in_features", [(4864, 896), (896, 4864), (128, 896), (896, 896)])
-def test_blas_rows_are_batch_invariant_at_padded_sizes(out_features, in_features):
-    """The assumption behind deterministic linears, checked on this machine's BLAS."""
+SHAPES = [(4864, 896), (896, 4864), (128, 896), (896, 896), (131, 200)]  # the 0.5B's, and a ragged one
+
+
+def _linear(fmt: str, out_features: int, in_features: int) -> Linear:
     torch.manual_seed(0)
-    w = torch.randn(out_features, in_features)
+    lin = Linear(torch.randn(out_features, in_features), torch.randn(out_features), MatmulPolicy(deterministic=True))
+    if fmt != "fp32":
+        if not native.available():
+            pytest.skip(f"the {fmt} kernels need the native extension: {native.describe()}")
+        if in_features % 32:
+            pytest.skip(f"{fmt} needs an input width that is a multiple of 32")
+        lin.qweight = quantize(lin.weight, fmt)
+    return lin
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_linear_rows_are_batch_invariant(fmt, out_features, in_features):
+    """Deterministic mode's property itself, on this CPU: a row alone equals the same row inside
+    batches of every size 1-40, wherever it sits in them."""
+    lin = _linear(fmt, out_features, in_features)
     x = torch.randn(48, in_features)
-    ref = F.linear(x, w)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(48)])
     for m in range(1, 41):
-        rows = batch_invariant_rows(m)
-        y = F.linear(F.pad(x[:m], (0, 0, 0, rows - m)), w)[:m]
-        assert torch.equal(y, ref[:m]), f"m={m} padded to {rows}"
+        for start in {0, 48 - m, (48 - m) // 2}:
+            assert torch.equal(lin(x[start:start + m]), alone[start:start + m]), f"{m} rows from row {start}"
+
+
+def test_fixed_order_fp32_is_the_linear():
+    """The fixed-order kernel computes x . w^T + b (to fp32 rounding)."""
+    torch.manual_seed(3)
+    for n, k in SHAPES:
+        x, w, b = torch.randn(9, k), torch.randn(n, k), torch.randn(n)
+        torch.testing.assert_close(fixed_order_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_fixed_order_fp32_without_the_extension_is_invariant(monkeypatch):
+    """The torch fallback (no AVX2, or no compiler): one matrix-vector product per row."""
+    import hetserve.layers.linear as linear
+
+    def unavailable():
+        raise native.NativeUnavailable("test")
+
+    monkeypatch.setattr(linear, "kernels", unavailable)
+    torch.manual_seed(4)
+    x, w = torch.randn(20, 896), torch.randn(300, 896)
+    alone = torch.cat([fixed_order_linear(x[i:i + 1], w, None) for i in range(20)])
+    for m in (1, 2, 3, 5, 8, 13, 20):
+        assert torch.equal(fixed_order_linear(x[:m], w, None), alone[:m])
+
+
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_kernel_variants_give_the_same_bits(variant):
+    """Each instruction-set variant this CPU runs gives the portable variant's bits, for every
+    kernel (so which one the CPU picks never changes a result)."""
+    if variant not in native.supported_variants():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(native.VARIANTS[variant][0] - native.cpu_features()))} "
+                    f"for the {variant} kernels ({native.cpu_name()})")
+    try:
+        ours, portable = native.build(variant), native.build("avx2")
+    except native.NativeUnavailable as e:
+        pytest.skip(str(e))
+    torch.manual_seed(5)
+    for n, k in [(4864, 896), (896, 4864), (131, 224)]:
+        w, b = torch.randn(n, k), torch.randn(n)
+        for m in (1, 2, 3, 4, 5, 17):
+            x = torch.randn(m, k)
+            assert torch.equal(ours.f32_linear(x, w, b), portable.f32_linear(x, w, b))
+            for fmt in ("int8", "int4"):
+                q = getattr(portable, f"quantize_{fmt}")(w)
+                assert all(torch.equal(a, c) for a, c in zip(getattr(ours, f"quantize_{fmt}")(w), q))
+                assert torch.equal(getattr(ours, f"{fmt}_linear")(x, *q, b), getattr(portable, f"{fmt}_linear")(x, *q, b))
+
+
+def test_forced_variant(monkeypatch):
+    monkeypatch.setenv(native.FORCE_ENV, "avx2")
+    if "avx2" in native.supported_variants():
+        assert native.variant() == "avx2"
+    monkeypatch.setenv(native.FORCE_ENV, "sse9")
+    with pytest.raises(native.NativeUnavailable, match="choose one of"):
+        native.variant()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_engine_output_is_batch_and_chunk_invariant(tiny_qwen2, fmt):
+    """A request's greedy tokens and their logprobs are the same alone, inside batches of every
+    size, and with its prefill cut into chunks of any size."""
+    if fmt != "fp32" and not native.available():
+        pytest.skip(f"{fmt} needs the native extension: {native.describe()}")
+    from hetserve import LLM
+
+    prompts = [[(7 * i + 3 * j) % 300 + 5 for j in range(3 + 5 * i)] for i in range(10)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(batch: list[list[int]], **kw):
+        llm = LLM(model=tiny_qwen2, kv_cache_memory="4MiB", page_size=4, deterministic=True, weight_format=fmt,
+                  enable_prefix_caching=False, **kw)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert llm.engine.num_free_pages == llm.engine.pool.num_blocks
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    alone = [run([p])[0] for p in prompts]
+    for size in (2, 3, 7, 10):
+        assert run(prompts[:size]) == alone[:size], f"batch of {size}"
+    for chunk in (1, 5, 16):
+        assert run(prompts, max_num_batched_tokens=chunk, max_num_seqs=4) == alone, f"prefill chunks of {chunk}"
 
 
 @pytest.mark.real_model

@@ -3,7 +3,9 @@ small-batch matmul choice, and batch-invariant mode.
 
 Weights are stored [out, in] as loaded (fp32); a quantized copy (layers/weight_formats.py)
 serves steps of at most `quant_max_rows` rows, where reading fewer bytes wins, and fp32 GEMM
-serves larger steps, where compute dominates.
+serves larger steps, where compute dominates. Deterministic mode gives every row a result
+that does not depend on the batch: the quantized kernels and `fixed_order_linear` sum each
+output in one order whatever the row count.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
+from .native import NativeUnavailable, kernels
 from .weight_formats import QuantizedWeight
 
 
@@ -29,14 +32,21 @@ class MatmulPolicy:
     quant_max_rows: int = 32
 
 
-def batch_invariant_rows(m: int) -> int:
-    """Row count to run m rows at so that each row's result does not depend on m.
+def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x . weight^T (+ bias) with each output row's result independent of the other rows of x.
 
-    The CPU BLAS computes leftover rows of a matrix-matrix product with edge kernels whose
-    summation order differs (measured: m in 1-3, 5-7, 9-11 differ from the rest); padding to a
-    multiple of 4 below 12 rows avoids them. tests/test_determinism.py checks this on the
-    machine's own BLAS for the model's shapes."""
-    return m if m >= 12 else -(-m // 4) * 4
+    fp32 CPU weights take the native kernel that sums every output in one fixed order
+    (csrc/f32linear.cpp says why that order cannot depend on the row count). Elsewhere every
+    row is its own matrix-vector product: the same call on the same row and weights, whatever
+    else is in the batch (slow for prefill, but invariant by construction there too)."""
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        try:
+            k = kernels()
+        except NativeUnavailable:
+            k = None
+        if k is not None:
+            return k.f32_linear(x.contiguous(), weight, bias)
+    return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
 
 
 class Linear:
@@ -57,11 +67,9 @@ class Linear:
             with trace.span("matmul", op=self.name, impl=self.qweight.fmt, rows=m):
                 return self.qweight.matmul(x, self.bias)
         if p.deterministic:
-            padded = batch_invariant_rows(m)
-            if padded != m:
-                with trace.span("matmul", op=self.name, impl="gemm-padded", rows=m):
-                    return F.linear(F.pad(x, (0, 0, 0, padded - m)), self.weight, self.bias)[:m]
-        elif 1 < m <= p.gemv_max_rows:
+            with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
+                return fixed_order_linear(x, self.weight, self.bias)
+        if 1 < m <= p.gemv_max_rows:
             with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
                 return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
         with trace.span("matmul", op=self.name, impl="gemv" if m == 1 else "gemm", rows=m):

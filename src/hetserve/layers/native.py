@@ -1,49 +1,128 @@
-"""The package's small native CPU extension (csrc/): int8/int4 linear kernels and quantizers
-(qlinear.cpp), fused RMSNorm and RoPE + KV-cache write (cpu_ops.cpp). x86 with AVX2 + FMA.
+"""The package's native CPU extension (csrc/): int8/int4 linear kernels and quantizers
+(qlinear.cpp), the fixed-order fp32 linear of deterministic mode (f32linear.cpp), fused RMSNorm
+and RoPE + KV-cache write (cpu_ops.cpp).
 
-Built once per machine and torch version with torch.utils.cpp_extension into the model cache
-directory (`make install` builds it, so no first request waits about a minute for it).
+The same sources are compiled once per instruction-set variant, each into its own module, and
+the variant is picked when the kernels are first used from what this CPU reports
+(`cpu_features`), never from the machine that built them:
+
+- `avx512`: AVX-512 F/BW/VL/DQ with VNNI (integer dot products in one instruction);
+- `avx2`: AVX2 + FMA + F16C, the portable variant;
+- neither: no extension; the callers fall back to torch.
+
+Both variants give the same bits (the integer sums are exact, the float steps are the same
+operations in the same order), so a result never depends on which one ran.
+`HETSERVE_CPU_KERNELS=avx2` forces the portable variant. Built with
+torch.utils.cpp_extension into the model cache directory; `make install` builds every variant,
+so that no first request waits a minute for a compiler, and an install moved to another CPU
+still has the variant that CPU needs.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import platform
 from pathlib import Path
 
 import torch
 
-SOURCES = ("qlinear.cpp", "cpu_ops.cpp")
+SOURCES = ("qlinear.cpp", "cpu_ops.cpp", "f32linear.cpp")
+_BASE = ["-mavx2", "-mfma", "-mf16c"]
+# name: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags). Best first.
+VARIANTS = {
+    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+               _BASE + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]),
+    "avx2": ({"avx2", "fma", "f16c"}, _BASE),
+}
+FORCE_ENV = "HETSERVE_CPU_KERNELS"
 
 
 class NativeUnavailable(RuntimeError):
     pass
 
 
-def cpu_has_avx2() -> bool:
-    return str(torch.backends.cpu.get_cpu_capability()).upper().startswith(("AVX2", "AVX512"))
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (avx2, avx512_vnni, amx_bf16, ...). Where
+    /proc/cpuinfo is missing, what torch's own dispatch reports (AVX2 or AVX512) is mapped to
+    the flags that level implies."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
+    flags = {"avx2", "fma", "f16c"} if cap.startswith(("AVX2", "AVX512")) else set()
+    if cap.startswith("AVX512"):
+        flags |= {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    return frozenset(flags)
 
 
 @functools.cache
-def kernels():
-    """The compiled extension; built on first use, then loaded from the cache."""
-    if not cpu_has_avx2():
-        raise NativeUnavailable(f"the native CPU kernels need AVX2; this CPU reports "
-                                f"{torch.backends.cpu.get_cpu_capability()}")
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
+    """The variants this CPU can run, best first."""
+    flags = cpu_features() if flags is None else flags
+    return [name for name, (need, _) in VARIANTS.items() if need <= flags]
+
+
+def variant() -> str | None:
+    """The variant the kernels use here: the best one the CPU runs, or HETSERVE_CPU_KERNELS."""
+    usable = supported_variants()
+    forced = os.environ.get(FORCE_ENV)
+    if forced:
+        if forced not in VARIANTS:
+            raise NativeUnavailable(f"{FORCE_ENV}={forced!r}: choose one of {', '.join(VARIANTS)}")
+        if forced not in usable:
+            raise NativeUnavailable(f"{FORCE_ENV}={forced}: this CPU lacks "
+                                    f"{', '.join(sorted(VARIANTS[forced][0] - cpu_features()))}")
+        return forced
+    return usable[0] if usable else None
+
+
+def cpu_has_avx2() -> bool:
+    return "avx2" in supported_variants()
+
+
+@functools.cache
+def build(name: str):
+    """Compile (or load from the cache) the extension's `name` variant. Compiling needs no CPU
+    support for it; running it does."""
     from torch.utils import cpp_extension
 
     from ..models.registry import cache_dir
 
-    build = cache_dir() / "extensions" / f"torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
+    out = cache_dir() / "extensions" / f"torch-{torch.__version__}" / name
+    out.mkdir(parents=True, exist_ok=True)
     sources = [str(Path(__file__).with_name("csrc") / s) for s in SOURCES]
     try:
-        return cpp_extension.load("hetserve_cpu", sources, build_directory=str(build),
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+        return cpp_extension.load(f"hetserve_cpu_{name}", sources, build_directory=str(out),
+                                  extra_cflags=["-O3", "-fopenmp", *VARIANTS[name][1]],
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers: say so in one line
         raise NativeUnavailable(f"could not build the native CPU kernels ({type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
                                 f"a C++ compiler is needed") from None
+
+
+def kernels():
+    """The compiled extension of this CPU's variant; built on first use, then loaded from the cache."""
+    name = variant()
+    if name is None:
+        raise NativeUnavailable(f"the native CPU kernels need AVX2, FMA and F16C; this CPU reports "
+                                f"{torch.backends.cpu.get_cpu_capability()}")
+    return build(name)
 
 
 def available() -> bool:
@@ -54,9 +133,22 @@ def available() -> bool:
         return False
 
 
-if __name__ == "__main__":  # `make install` builds the kernels once
+def describe() -> str:
+    """One line for logs and `hetserve info`: the CPU, its relevant features and the variant."""
+    flags = cpu_features()
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
     try:
-        kernels()
-        print("native CPU kernels: ready")
+        v = variant()
     except NativeUnavailable as e:
-        print(f"native CPU kernels unavailable ({e}); --weight-format auto will use fp32")
+        v = f"none ({e})"
+    return f"{cpu_name()} [{' '.join(shown) or 'no AVX2'}]; native kernels: {v or 'none (torch fallback)'}"
+
+
+if __name__ == "__main__":  # `make install` builds every variant once
+    for name in VARIANTS:
+        try:
+            build(name)
+            print(f"native CPU kernels ({name}): ready")
+        except NativeUnavailable as e:
+            print(f"native CPU kernels ({name}) unavailable ({e})")
+    print(describe())

@@ -1,4 +1,4 @@
-// Weight-only-stored, integer-dot quantized linear layers for x86 CPUs with AVX2 + FMA.
+// Weight-only-stored, integer-dot quantized linear layers for x86 CPUs with AVX2 + FMA (+ VNNI).
 //
 // y[M, N] = x[M, K] . dequant(W)[N, K]^T (+ bias). W is stored per output row in groups of
 // 32 input elements (G = K / 32 groups per row), with one fp16 scale (int4: and min) per group:
@@ -26,6 +26,15 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+// With AVX512-VNNI (the `avx512` build of layers/native.py) one vpdpbusd does a group's
+// multiply-add-and-widen that takes vpmaddubsw + vpmaddwd + vpaddd on AVX2. The integer sums are
+// exact either way, so both builds give the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define kVnni 1
+#else
+#define kVnni 0
+#endif
 
 namespace {
 
@@ -129,8 +138,12 @@ struct Int8Weights {
       const __m256i w_abs = _mm256_sign_epi8(wv, wv);  // |w| as u8; the sign moves onto x
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * i));
+#if kVnni
+        acc[r] = _mm256_dpbusd_epi32(i ? acc[r] : _mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xv, wv));
+#else
         const __m256i d = madd_ones(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, wv)));
         acc[r] = i ? _mm256_add_epi32(acc[r], d) : d;
+#endif
       }
     }
   }
@@ -148,17 +161,28 @@ struct Int4Weights {
     // A 16-bit lane of one multiply-add holds 2 products of at most 15 * 127, so the block's 4
     // products per lane (at most 15240) sum exactly in 16 bits: one widening per block, not four.
     __m256i s16[R];
+#if kVnni
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#endif
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
       const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
       for (int r = 0; r < R; ++r) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
+#if kVnni
+        acc[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[r], lo, x0), hi, x1);
+#else
         const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
         s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
+#endif
       }
     }
+#if !kVnni
     for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
+#else
+    (void)s16;
+#endif
   }
 };
 
@@ -345,10 +369,12 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
 
 }  // namespace
 
-void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp: fused norm / RoPE / KV-write
+void register_cpu_ops(pybind11::module& m);      // cpu_ops.cpp: fused norm / RoPE / KV-write
+void register_f32_linear(pybind11::module& m);  // f32linear.cpp: fixed-order fp32 linear
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
+  register_f32_linear(m);
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32)");
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, ceil(K/128) * 128], scale fp16 [N, K/32])");
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/128) * 64], scale, min fp16 [N, K/32])");
