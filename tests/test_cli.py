@@ -95,3 +95,17 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     assert blocks["fixed-4"]["greedy_tokens"] == blocks["target-only"]["greedy_tokens"] == \
         greedy["target-only"]["greedy_tokens"]
     assert set(blocks) == {"target-only", "fixed-4", "draft-only"}
+
+
+def test_info_names_the_cpu_and_what_auto_picks():
+    from hetserve.layers import native
+
+    r = hetserve("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["cpu"] == native.cpu_name()
+    assert info["native_variants_supported"] == native.supported_variants()
+    assert info["native_kernels"] in (*native.supported_variants(), None)
+    assert info["weight_format"] in ("int8", "fp32") and info["prefill_format"] in ("bf16", "fp32")
+    if info["prefill_format"] == "bf16":
+        assert {"amx_bf16", "avx512_bf16"} & set(info["cpu_flags"])

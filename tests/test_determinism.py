@@ -33,9 +33,8 @@ def _linear(fmt: str, out_features: int, in_features: int) -> Linear:
     if fmt != "fp32":
         if not native.available():
             pytest.skip(f"the {fmt} kernels need the native extension: {native.describe()}")
-        if in_features % 32:
-            pytest.skip(f"{fmt} needs an input width that is a multiple of 32")
-        lin.qweight = quantize(lin.weight, fmt)
+        if in_features % 32 == 0:  # otherwise the linear stays fp32, as in a model
+            lin.qweight = quantize(lin.weight, fmt)
     return lin
 
 

@@ -1,4 +1,4 @@
-"""hetserve command line: generate | chat | pull | serve | profile | bench."""
+"""hetserve command line: generate | chat | pull | serve | profile | info | bench."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ _ENGINE_HELP = {
     "torch_profile": "write a torch.profiler trace of 10 engine steps into this directory",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
     "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int8 on AVX2 CPUs, fp32 elsewhere)",
-    "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones fp32 GEMM",
+    "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM "
+                      "(default: 32 with fp32 GEMM, 16 with bf16)",
+    "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
+                      "with AMX-BF16 or AVX512-BF16 when the weight format is int8/int4, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
     "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",
@@ -211,6 +214,37 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_info(args) -> int:
+    """What this machine runs: the CPU, the native kernel variant and the formats `auto` picks."""
+    import torch
+
+    from .layers import native
+    from .layers.prefill_formats import QUANT_MAX_ROWS, resolve_prefill_format
+    from .layers.weight_formats import resolve_weight_format
+
+    weights = resolve_weight_format("auto", "cpu")
+    prefill = resolve_prefill_format("auto", "cpu", weights, torch.float32)
+    info = {
+        "cpu": native.cpu_name(),
+        "cpu_flags": sorted(f for f in native.cpu_features() if f.startswith(("avx", "amx", "fma", "f16c"))),
+        "torch": torch.__version__,
+        "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "threads": torch.get_num_threads(),
+        "native_kernels": native.variant() if native.available() else None,
+        "native_variants_supported": native.supported_variants(),
+        "weight_format": weights,
+        "prefill_format": prefill,
+        "quant_max_rows": QUANT_MAX_ROWS[prefill],
+        "cuda": torch.cuda.is_available(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:26} {' '.join(v) if isinstance(v, list) else v}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -244,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_flags(pr)
     pr.set_defaults(func=cmd_profile)
+
+    i = sub.add_parser("info", help="this machine's CPU, native kernels and the formats `auto` picks")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
 
     b = sub.add_parser("bench", help="benchmarks (each compares two things in one run)")
     bsub = b.add_subparsers(dest="bench", required=True)

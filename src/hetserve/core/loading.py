@@ -3,12 +3,17 @@ model and EngineCore together (used by the in-process LLM and by worker processe
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import trace
+from ..layers import native
 from ..layers.dtypes import resolve_dtype
+from ..layers.prefill_formats import QUANT_MAX_ROWS, resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
 from ..models.decoder import DecoderModel
@@ -17,6 +22,8 @@ from ..models.tokenizer import Tokenizer
 from ..spec.proposer import check_same_vocab, draft_vocab_ids
 from .config import EngineConfig
 from .engine import EngineCore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +48,12 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     # The draft only proposes (the target verifies every token), so by default it trades
     # precision for speed: int4 where the CPU kernels run.
     config.speculative_weight_format = resolve_weight_format(config.speculative_weight_format, device, auto="int4")
+    config.prefill_format = resolve_prefill_format(config.prefill_format, device, config.weight_format, torch_dtype)
+    if config.quant_max_rows is None:
+        config.quant_max_rows = QUANT_MAX_ROWS[config.prefill_format]
+    if torch.device(device).type == "cpu":
+        log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
+                 config.quant_max_rows, config.prefill_format)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
@@ -66,6 +79,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         if model is not None:
             model.quantize_weights(fmt)
             model.use_fused_ops()
+            if config.prefill_format == "bf16":
+                model.use_gemm_dtype(torch.bfloat16)
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.

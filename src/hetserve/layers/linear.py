@@ -2,8 +2,9 @@
 small-batch matmul choice, and batch-invariant mode.
 
 Weights are stored [out, in] as loaded (fp32); a quantized copy (layers/weight_formats.py)
-serves steps of at most `quant_max_rows` rows, where reading fewer bytes wins, and fp32 GEMM
-serves larger steps, where compute dominates. Deterministic mode gives every row a result
+serves steps of at most `quant_max_rows` rows, where reading fewer bytes wins, and GEMM serves
+larger steps, where compute dominates: fp32, or bf16 on CPUs whose matrix units run it
+(layers/prefill_formats.py). Deterministic mode gives every row a result
 that does not depend on the batch: the quantized kernels and `fixed_order_linear` sum each
 output in one order whatever the row count.
 """
@@ -46,11 +47,20 @@ def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             k = None
         if k is not None:
             return k.f32_linear(x.contiguous(), weight, bias)
-    return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+    rows = [F.linear(x[i:i + 1].to(weight.dtype), weight).to(x.dtype) for i in range(x.shape[0])]
+    y = torch.cat(rows)
+    return y if bias is None else y.add_(bias)
 
 
 class Linear:
     __slots__ = ("weight", "bias", "policy", "name", "qweight")
+
+    def use_gemm_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the weight for steps past the quantized kernels (prefill chunks) in `dtype`
+        (bf16, for the CPU's matrix units) in place of fp32. Activations stay fp32 between
+        linears: each product takes bf16 inputs, accumulates in fp32 (oneDNN) and comes back to
+        fp32, so the residual stream is never rounded to bf16."""
+        self.weight = self.weight.to(dtype)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None,
                  name: str = "linear"):
@@ -69,6 +79,10 @@ class Linear:
         if p.deterministic:
             with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
                 return fixed_order_linear(x, self.weight, self.bias)
+        if self.weight.dtype != x.dtype:  # bf16 GEMM weights (use_gemm_dtype): fp32 in, fp32 out
+            with trace.span("matmul", op=self.name, impl="gemm-bf16", rows=m):
+                y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+                return y if self.bias is None else y.add_(self.bias)
         if 1 < m <= p.gemv_max_rows:
             with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
                 return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])

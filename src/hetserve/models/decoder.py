@@ -136,6 +136,16 @@ class DecoderModel:
                 added += lin.qweight.nbytes
         return added
 
+    def use_gemm_dtype(self, dtype: torch.dtype) -> None:
+        """Large steps' GEMM in `dtype` (bf16 on CPUs with matrix units), for the linears that
+        have quantized weights for small steps: their fp32 copy is then replaced, not kept beside
+        it. The output head stays as it is (it shares the embedding's storage when tied, and
+        prefill runs it on the last row of each sequence only)."""
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if lin.qweight is not None:
+                    lin.use_gemm_dtype(dtype)
+
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         shape = (num_slots, c.num_kv_heads, c.head_dim)
