@@ -31,8 +31,7 @@ _ENGINE_HELP = {
     "torch_profile": "write a torch.profiler trace of 10 engine steps into this directory",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
     "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int8 on AVX2 CPUs, fp32 elsewhere)",
-    "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM "
-                      "(default: 32 with fp32 GEMM, 16 with bf16)",
+    "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM",
     "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
                       "with AMX-BF16 or AVX512-BF16 when the weight format is int8/int4, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
@@ -219,7 +218,7 @@ def cmd_info(args) -> int:
     import torch
 
     from .layers import native
-    from .layers.prefill_formats import QUANT_MAX_ROWS, resolve_prefill_format
+    from .layers.prefill_formats import resolve_prefill_format
     from .layers.weight_formats import resolve_weight_format
 
     weights = resolve_weight_format("auto", "cpu")
@@ -234,7 +233,6 @@ def cmd_info(args) -> int:
         "native_variants_supported": native.supported_variants(),
         "weight_format": weights,
         "prefill_format": prefill,
-        "quant_max_rows": QUANT_MAX_ROWS[prefill],
         "cuda": torch.cuda.is_available(),
     }
     if args.json:

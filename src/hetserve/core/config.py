@@ -38,7 +38,7 @@ class EngineConfig:
     torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
     weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int8 on CPUs with AVX2, else fp32)
-    quant_max_rows: int | None = None  # steps of up to this many rows use the quantized weights (default: per GEMM format)
+    quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     prefill_format: str = "auto"  # weights of larger steps: fp32 | bf16 | auto (bf16 on CPUs with AMX/AVX512-BF16 and quantized weights)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
@@ -73,7 +73,7 @@ class EngineConfig:
                 raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} (auto, fp32, int8, int4)")
         if self.prefill_format not in ("auto", "fp32", "bf16"):
             raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16)")
-        if self.quant_max_rows is not None and (not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0):
+        if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
             raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
         self._check_speculative()

@@ -65,8 +65,7 @@ class EngineCore:
         for m in (model, draft_model) if draft_model else (model,):
             m.policy.deterministic = config.deterministic
             m.policy.gemv_max_rows = config.gemv_max_rows
-            if config.quant_max_rows is not None:  # load_engine sets it per GEMM format
-                m.policy.quant_max_rows = config.quant_max_rows
+            m.policy.quant_max_rows = config.quant_max_rows
         self.pool = BlockPool(num_pages, config.page_size)
         # The contiguous layout reserves whole regions per request, so it shares no pages.
         caching = config.enable_prefix_caching and config.kv_cache == "paged"

@@ -13,7 +13,7 @@ import torch
 from .. import trace
 from ..layers import native
 from ..layers.dtypes import resolve_dtype
-from ..layers.prefill_formats import QUANT_MAX_ROWS, resolve_prefill_format
+from ..layers.prefill_formats import resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
 from ..models.decoder import DecoderModel
@@ -49,8 +49,6 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     # precision for speed: int4 where the CPU kernels run.
     config.speculative_weight_format = resolve_weight_format(config.speculative_weight_format, device, auto="int4")
     config.prefill_format = resolve_prefill_format(config.prefill_format, device, config.weight_format, torch_dtype)
-    if config.quant_max_rows is None:
-        config.quant_max_rows = QUANT_MAX_ROWS[config.prefill_format]
     if torch.device(device).type == "cpu":
         log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
                  config.quant_max_rows, config.prefill_format)

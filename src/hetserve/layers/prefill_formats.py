@@ -7,6 +7,12 @@ machine that built the package.
 
 `auto` picks bf16 only where the weights already run quantized (int8/int4 decode): a user who
 chose `--weight-format fp32` asked for exact fp32 everywhere.
+
+The row threshold between the quantized kernels and GEMM (`--quant-max-rows`) stays 32 with
+bf16: bf16 GEMM already overtakes the int8 kernel at 8-16 rows of the 0.5B's linears, but a
+lower threshold would give steps of 17-32 rows (short prompts, a few requests' speculative
+verification rows) other numerics than decode's, and a seeded request repeated from the prefix
+cache (its last prompt token recomputed alone) would sample differently from the first time.
 """
 
 from __future__ import annotations
@@ -20,10 +26,6 @@ from .native import cpu_features
 log = logging.getLogger(__name__)
 
 PREFILL_FORMATS = ("auto", "fp32", "bf16")
-# Rows up to which the int8/int4 kernels beat the GEMM behind them (layers/linear.py), per GEMM
-# format: bf16 GEMM on the matrix units overtakes int8 at 8-16 rows for the 0.5B's linears,
-# fp32 GEMM at about 32 (docs/benchmarks.md, "Prefill on the matrix units").
-QUANT_MAX_ROWS = {"fp32": 32, "bf16": 16}
 
 
 def cpu_has_bf16_gemm() -> bool:
