@@ -53,7 +53,7 @@ def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "policy", "name", "qweight")
+    __slots__ = ("weight", "bias", "policy", "name", "qweight", "source")
 
     def use_gemm_dtype(self, dtype: torch.dtype) -> None:
         """Keep the weight for steps past the quantized kernels (prefill chunks) in `dtype`
@@ -69,6 +69,9 @@ class Linear:
         self.policy = policy or MatmulPolicy()
         self.name = name
         self.qweight: QuantizedWeight | None = None
+        # The GGUF tensors whose rows the weight stacks, each with the head count its rows were
+        # un-permuted by (0: none), so quantized formats can take the file's own blocks.
+        self.source: tuple[tuple[str, int], ...] = ()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]

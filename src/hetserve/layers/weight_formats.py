@@ -1,6 +1,7 @@
 """Weight formats for linear layers: fp32 (exact) and the CPU integer formats int8 and int4.
 
-int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127).
+int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127;
+      GGUF Q8_0/Q5_0/Q4_0 blocks are taken as they are, see `int8_from_integers`).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
       two values per byte.
 Both store each row in blocks of 4 groups whose elements are interleaved for the kernel
@@ -91,6 +92,19 @@ def _element_positions(groups: int, device: torch.device) -> torch.Tensor:
     g = torch.arange(groups, device=device)[:, None]
     e = torch.arange(GROUP, device=device)[None, :]
     return (g // 4 * 128 + 32 * (e // 8) + 4 * (g % 4 + 4 * (e // 4 % 2)) + e % 4).flatten()
+
+
+def int8_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """The int8 format from integers already on a group-of-32 grid: q int8 [N, K] in element
+    order (-128..127), scale fp16 [N, K / 32]. A GGUF's Q8_0/Q5_0/Q4_0 blocks are exactly this,
+    so their int8 copy is the file's own weights, not a re-quantization of them."""
+    n, k = q.shape
+    if k % GROUP or scale.shape != (n, k // GROUP) or q.dtype != torch.int8 or scale.dtype != torch.float16:
+        raise ValueError(f"int8 integers must be int8 [N, K], K a multiple of {GROUP}, with fp16 scales [N, K/{GROUP}]")
+    groups = k // GROUP
+    packed = torch.zeros(n, -(-groups // 4) * 4 * GROUP, dtype=torch.int8)  # padding groups stay 0
+    packed[:, _element_positions(groups, q.device)] = q.contiguous()
+    return QuantizedWeight("int8", packed, scale.contiguous())
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:

@@ -20,9 +20,10 @@ from ..layers.attention import AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
-from ..layers.weight_formats import GROUP, quantize
+from ..layers.weight_formats import GROUP, QuantizedWeight, int8_from_integers, quantize
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
+from .gguf_quants import INTEGER_BLOCK_TYPES, integer_blocks
 
 
 @dataclass
@@ -42,6 +43,22 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp stores llama Q/K rows interleaved for its GPT-J rope; restore the HF (NeoX) order."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _file_int8(f: GGUFFile, lin: Linear) -> QuantizedWeight | None:
+    """The linear's weight as int8 from the file's own integer blocks, or None where a source
+    tensor has another type (or the linear keeps only some of its rows)."""
+    if not lin.source or any(f.tensors[n].qtype not in INTEGER_BLOCK_TYPES for n, _ in lin.source):
+        return None
+    parts = []
+    for name, heads in lin.source:
+        info = f.tensors[name]
+        q, d = integer_blocks(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
+        parts.append((_unpermute_qk(q, heads), _unpermute_qk(d, heads)) if heads else (q, d))
+    q, d = torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts])
+    if q.shape != lin.weight.shape:
+        return None
+    return int8_from_integers(q, d)
 
 
 _SHORT_NAMES = {"attn_output": "o", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
@@ -66,6 +83,7 @@ class DecoderModel:
         self.fused = None  # the native ops module when forward uses them (use_fused_ops)
         self.num_logits = lm_head.out_features  # logit row width (restrict_logits keeps it)
         self.logit_ids: torch.Tensor | None = None  # restrict_logits: the only ids scored
+        self.path: str | None = None  # the GGUF file (from_gguf), whose blocks quantize_weights reuses
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -90,11 +108,16 @@ class DecoderModel:
             return w, b
 
         def lin(name: str) -> Linear:
-            return Linear(weight(name)[0].contiguous(), None, policy, name=_SHORT_NAMES[name.split(".")[-1]])
+            out = Linear(weight(name)[0].contiguous(), None, policy, name=_SHORT_NAMES[name.split(".")[-1]])
+            out.source = ((name + ".weight", 0),)
+            return out
 
-        def fused(parts: list[tuple[torch.Tensor, torch.Tensor | None]], name: str) -> Linear:
+        def fused(specs: list[tuple[str, bool, int]], name: str) -> Linear:
+            parts = [weight(*spec) for spec in specs]
             bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])
-            return Linear(torch.cat([w for w, _ in parts]).contiguous(), bias, policy, name=name)
+            out = Linear(torch.cat([w for w, _ in parts]).contiguous(), bias, policy, name=name)
+            out.source = tuple((n + ".weight", heads) for n, _, heads in specs)
+            return out
 
         llama = cfg.arch == "llama"
         layers = []
@@ -103,20 +126,25 @@ class DecoderModel:
             layers.append(
                 DecoderLayer(
                     attn_norm=t(p + "attn_norm.weight"),
-                    qkv=fused([weight(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
-                               weight(p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
-                               weight(p + "attn_v", cfg.attention_bias)], "qkv"),
+                    qkv=fused([(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
+                               (p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
+                               (p + "attn_v", cfg.attention_bias, 0)], "qkv"),
                     o=lin(p + "attn_output"),
                     mlp_norm=t(p + "ffn_norm.weight"),
-                    gate_up=fused([weight(p + "ffn_gate"), weight(p + "ffn_up")], "gate_up"),
+                    gate_up=fused([(p + "ffn_gate", False, 0), (p + "ffn_up", False, 0)], "gate_up"),
                     down=lin(p + "ffn_down"),
                 )
             )
         embed = t("token_embd.weight")
-        head = Linear(embed, None, policy, name="lm_head") if cfg.tie_word_embeddings else lin("output")
+        if cfg.tie_word_embeddings:
+            head = Linear(embed, None, policy, name="lm_head")
+            head.source = (("token_embd.weight", 0),)
+        else:
+            head = lin("output")
         factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, factors).to(device)
         model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
+        model.path = str(path)
         model.load_seconds = time.perf_counter() - t0
         return model
 
@@ -126,14 +154,20 @@ class DecoderModel:
     def quantize_weights(self, fmt: str) -> int:
         """Add a quantized copy of every linear's weight (fp32 stays for large steps and for
         exactness); returns the bytes added. Linears whose width is not a multiple of the
-        format's group stay fp32."""
+        format's group stay fp32. int8 takes a linear's Q8_0/Q5_0/Q4_0 blocks from the file as
+        they are (no error added to the file's); other types are quantized from fp32."""
         added = 0
         if fmt == "fp32":
             return added
-        for lin in self.linears():
-            if lin.weight.shape[1] % GROUP == 0:
-                lin.qweight = quantize(lin.weight, fmt)
-                added += lin.qweight.nbytes
+        gguf = GGUFFile(self.path) if fmt == "int8" and self.path and self.device.type == "cpu" else None
+        try:
+            for lin in self.linears():
+                if lin.weight.shape[1] % GROUP == 0:
+                    lin.qweight = (_file_int8(gguf, lin) if gguf else None) or quantize(lin.weight, fmt)
+                    added += lin.qweight.nbytes
+        finally:
+            if gguf:
+                gguf.close()
         return added
 
     def use_gemm_dtype(self, dtype: torch.dtype) -> None:

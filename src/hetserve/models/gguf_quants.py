@@ -197,3 +197,29 @@ def dequantize(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Ten
     for start in range(0, n_blocks, step):
         decode(blocks[start:start + step], out[start:start + step])
     return out.view(shape)
+
+
+# Formats whose blocks are 32 signed integers times one fp16 scale: the int8 weight format
+# (layers/weight_formats.py) holds them exactly, so their int8 copy adds no error to the file's.
+INTEGER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q5_0, T.Q8_0})
+
+
+def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q5_0/Q8_0 matrix [rows, K] as its integers q (int8 [rows, K]) and block scales d
+    (fp16 [rows, K / 32]), with dequantize(...) == q.float() * d.float() exactly."""
+    qtype = T(qtype)
+    if qtype not in INTEGER_BLOCK_TYPES:
+        raise ValueError(f"{qtype.name} blocks are not 32 integers and one scale")
+    rows, k = (int(s) for s in shape)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    if raw.numel() != tensor_nbytes(qtype, rows * k):
+        raise ValueError(f"{qtype.name} {tuple(shape)}: expected {tensor_nbytes(qtype, rows * k)} bytes, got {raw.numel()}")
+    b = raw.reshape(-1, type_size)
+    d = b[:, 0:2].contiguous().view(torch.float16)
+    if qtype == T.Q8_0:
+        q = b[:, 2:34].contiguous().view(torch.int8)
+    elif qtype == T.Q5_0:
+        q = ((_nibbles(b[:, 6:22], 16) | (_bits(b[:, 2:6]) << 4)).to(torch.int16) - 16).to(torch.int8)
+    else:
+        q = (_nibbles(b[:, 2:18], 16).to(torch.int16) - 8).to(torch.int8)
+    return q.reshape(rows, k), d.reshape(rows, k // 32)
