@@ -15,15 +15,17 @@ except WeightFormatUnavailable as e:  # pragma: no cover - machines without AVX2
 
 
 def _quantize_rows(x: torch.Tensor):
-    """The kernel's activation quantization, stated in torch: int8 per group of 32, scale amax/127."""
+    """The kernel's activation quantization, stated in torch: int8 per group of 32, scale amax/127;
+    and the group sums of the rounded values (d * sum xq) for the int4 min term."""
     g = x.double().view(x.shape[0], -1, GROUP)
     d = g.abs().amax(-1).float().double() / 127
     inv = torch.where(d > 0, 1 / d.float().double(), torch.zeros_like(d))
-    return torch.round(g * inv[..., None]), d.float().double(), g.sum(-1)
+    xq = torch.round(g * inv[..., None])
+    return xq, d.float().double(), xq.sum(-1) * d
 
 
 def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
-    """sum over groups of scale_w * d_x * (integer dot) (+ min_w * sum(x)) in float64."""
+    """sum over groups of scale_w * d_x * (integer dot) (+ min_w * d_x * sum(xq)) in float64."""
     xq, d, xs = _quantize_rows(x)
     wq = qw.group_values().double()
     y = torch.einsum("mgj,ngj,mg,ng->mn", xq, wq, d, qw.scale.double())
@@ -252,3 +254,46 @@ def test_model_int8_takes_the_files_blocks(tiny_qwen2):
     for lin, from_file in zip(model.linears(), exact):
         if lin.qweight is not None:
             assert torch.equal(lin.qweight.dequantize(), lin.weight) == from_file, lin.name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_nibble_blocks_are_the_files_weights(qtype):
+    """Q4_0/Q4_K blocks as 4-bit integers with per-32 scale and min: the int4 format built from
+    them holds the file's weights (Q4_0 exactly; Q4_K's scales rounded to fp16, 2^-11 relative)."""
+    import gguf
+
+    from hetserve.layers.weight_formats import int4_from_integers
+    from hetserve.models.gguf_quants import dequantize, nibble_blocks
+
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(8)
+    if qtype == "Q4_0":
+        w = rng.standard_normal((8, 512)).astype(np.float32) * rng.uniform(0.01, 3, (8, 1)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(w, t).reshape(-1).view(np.uint8).copy())
+    else:  # gguf's numpy quantizers lack Q4_K: random blocks with valid fp16 d and dmin
+        blocks = rng.integers(0, 256, (16, 144), dtype=np.uint8)
+        blocks[:, 0:4] = rng.uniform(1e-3, 0.1, (16, 2)).astype(np.float16).view(np.uint8)
+        raw = torch.from_numpy(blocks.reshape(-1).copy())
+    ref = dequantize(raw, t, (8, 512))
+    qw = int4_from_integers(*nibble_blocks(raw, t, (8, 512)))
+    if qtype == "Q4_0":
+        assert torch.equal(qw.dequantize(), ref)
+    else:
+        # Only fp16 rounding of each group's scale and min: |error| <= 2^-11 (15 |scale| + |min|).
+        bound = 2.0 ** -11 * (15 * qw.scale.float().abs() + qw.min.float().abs()) * 1.001
+        assert ((qw.dequantize() - ref).view(8, 16, 32).abs().amax(-1) <= bound).all()
+
+
+def test_int4_min_term_uses_the_rounded_activations():
+    """w = q * scale + min with a large offset: the product equals the one with the rounded
+    activation row (the kernel's stated math), so the offset adds no activation error."""
+    torch.manual_seed(9)
+    q = torch.randint(0, 16, (16, 256), dtype=torch.uint8)
+    scale, mn = torch.full((16, 8), 0.01).half(), torch.full((16, 8), -0.08).half()
+    from hetserve.layers.weight_formats import int4_from_integers
+
+    qw = int4_from_integers(q, scale, mn)
+    x = torch.randn(3, 256)
+    xq, d, _ = _quantize_rows(x)
+    rounded = (xq * d[..., None]).view(3, 256).float()
+    torch.testing.assert_close(qw.matmul(x, None), rounded @ qw.dequantize().T, rtol=1e-4, atol=1e-4)

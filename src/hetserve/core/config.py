@@ -69,8 +69,8 @@ class EngineConfig:
         if not isinstance(self.gemv_max_rows, int) or self.gemv_max_rows < 0:
             raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
         for name in ("weight_format", "speculative_weight_format"):
-            if getattr(self, name) not in ("auto", "fp32", "int8", "int4"):
-                raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} (auto, fp32, int8, int4)")
+            if getattr(self, name) not in ("auto", "fp32", "int8", "int4", "gguf"):
+                raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} (auto, fp32, int8, int4, gguf)")
         if self.prefill_format not in ("auto", "fp32", "bf16"):
             raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16)")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:

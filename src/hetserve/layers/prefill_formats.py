@@ -5,7 +5,7 @@ GEMM (measured on a 2-core Sapphire Rapids, 512 x 896 x 4864: 1.7 TFLOP/s agains
 CPU without native bf16 it is far slower than fp32. So `auto` asks the CPU, at load, never the
 machine that built the package.
 
-`auto` picks bf16 only where the weights already run quantized (int8/int4 decode): a user who
+`auto` picks bf16 only where the weights already run quantized (int8/int4/gguf decode): a user who
 chose `--weight-format fp32` asked for exact fp32 everywhere.
 
 The row threshold between the quantized kernels and GEMM (`--quant-max-rows`) stays 32 with
@@ -40,7 +40,7 @@ def resolve_prefill_format(fmt: str, device: str | torch.device, weight_format: 
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return "fp32"  # the whole model already runs in the activation dtype there
     if fmt == "auto":
-        return "bf16" if weight_format in ("int8", "int4") and cpu_has_bf16_gemm() else "fp32"
+        return "bf16" if weight_format in ("int8", "int4", "gguf") and cpu_has_bf16_gemm() else "fp32"
     if fmt == "bf16" and not cpu_has_bf16_gemm():
         log.warning("--prefill-format bf16: this CPU has neither AMX-BF16 nor AVX512-BF16; using fp32")
         return "fp32"

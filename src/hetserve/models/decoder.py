@@ -20,10 +20,10 @@ from ..layers.attention import AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
-from ..layers.weight_formats import GROUP, QuantizedWeight, int8_from_integers, quantize
+from ..layers.weight_formats import GROUP, QuantizedWeight, int4_from_integers, int8_from_integers, quantize
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
-from .gguf_quants import INTEGER_BLOCK_TYPES, integer_blocks
+from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks
 
 
 @dataclass
@@ -45,20 +45,28 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _file_int8(f: GGUFFile, lin: Linear) -> QuantizedWeight | None:
-    """The linear's weight as int8 from the file's own integer blocks, or None where a source
-    tensor has another type (or the linear keeps only some of its rows)."""
-    if not lin.source or any(f.tensors[n].qtype not in INTEGER_BLOCK_TYPES for n, _ in lin.source):
+def _file_quantized(f: GGUFFile, lin: Linear, fmt: str) -> QuantizedWeight | None:
+    """The linear's weight in `fmt` built from the file's own blocks (int8: Q8_0/Q5_0/Q4_0;
+    int4: Q4_0/Q4_K; gguf: whichever of the two holds them), or None where a source tensor
+    has another type (or the linear keeps only some of its rows)."""
+    if not lin.source:
+        return None
+    types = {f.tensors[n].qtype for n, _ in lin.source}
+    if fmt in ("int4", "gguf") and types <= NIBBLE_BLOCK_TYPES:
+        decode, build = nibble_blocks, int4_from_integers
+    elif fmt in ("int8", "gguf") and types <= INTEGER_BLOCK_TYPES:
+        decode, build = integer_blocks, int8_from_integers
+    else:
         return None
     parts = []
     for name, heads in lin.source:
         info = f.tensors[name]
-        q, d = integer_blocks(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
-        parts.append((_unpermute_qk(q, heads), _unpermute_qk(d, heads)) if heads else (q, d))
-    q, d = torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts])
-    if q.shape != lin.weight.shape:
+        arrays = decode(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
+        parts.append([_unpermute_qk(a, heads) for a in arrays] if heads else arrays)
+    arrays = [torch.cat(column) for column in zip(*parts)]
+    if arrays[0].shape != lin.weight.shape:
         return None
-    return int8_from_integers(q, d)
+    return build(*arrays)
 
 
 _SHORT_NAMES = {"attn_output": "o", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
@@ -154,16 +162,19 @@ class DecoderModel:
     def quantize_weights(self, fmt: str) -> int:
         """Add a quantized copy of every linear's weight (fp32 stays for large steps and for
         exactness); returns the bytes added. Linears whose width is not a multiple of the
-        format's group stay fp32. int8 takes a linear's Q8_0/Q5_0/Q4_0 blocks from the file as
-        they are (no error added to the file's); other types are quantized from fp32."""
+        format's group stay fp32. The file's own blocks are taken where the format holds them
+        (int8: Q8_0/Q5_0/Q4_0 exactly; int4: Q4_0 exactly, Q4_K with fp16 scales); other types
+        are quantized from fp32. `gguf` picks per linear: int4 for 4-bit blocks, int8 for the
+        rest (Q5_0/Q8_0 exactly, K-quants of 5-6 bits and floats re-quantized)."""
         added = 0
         if fmt == "fp32":
             return added
-        gguf = GGUFFile(self.path) if fmt == "int8" and self.path and self.device.type == "cpu" else None
+        gguf = GGUFFile(self.path) if self.path and self.device.type == "cpu" else None
         try:
             for lin in self.linears():
                 if lin.weight.shape[1] % GROUP == 0:
-                    lin.qweight = (_file_int8(gguf, lin) if gguf else None) or quantize(lin.weight, fmt)
+                    lin.qweight = (_file_quantized(gguf, lin, fmt) if gguf else None) or \
+                        quantize(lin.weight, "int8" if fmt == "gguf" else fmt)
                     added += lin.qweight.nbytes
         finally:
             if gguf:

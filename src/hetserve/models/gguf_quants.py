@@ -223,3 +223,31 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
     else:
         q = (_nibbles(b[:, 2:18], 16).to(torch.int16) - 8).to(torch.int8)
     return q.reshape(rows, k), d.reshape(rows, k // 32)
+
+
+# Formats whose 32-element groups are 4-bit integers times a scale plus an offset: the int4 weight
+# format holds them with its fp16 scale and min (Q4_0 exactly; Q4_K's d * sc and dmin * m rounded
+# to fp16, 2^-11 relative, far below the 4-bit step).
+NIBBLE_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_K})
+
+
+def nibble_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_K matrix [rows, K] as q (uint8 0..15 [rows, K]) with per-group-of-32 scale and
+    min (fp16 [rows, K / 32]): w = q * scale + min."""
+    qtype = T(qtype)
+    if qtype not in NIBBLE_BLOCK_TYPES:
+        raise ValueError(f"{qtype.name} blocks are not 4-bit groups of 32")
+    rows, k = (int(s) for s in shape)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    if raw.numel() != tensor_nbytes(qtype, rows * k):
+        raise ValueError(f"{qtype.name} {tuple(shape)}: expected {tensor_nbytes(qtype, rows * k)} bytes, got {raw.numel()}")
+    b = raw.reshape(-1, type_size)
+    if qtype == T.Q4_0:
+        d = _f16(b[:, 0:2])
+        q, scale, mn = _nibbles(b[:, 2:18], 16), d, -8 * d
+    else:
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = _k_scales(b[:, 4:16])
+        q, scale, mn = _nibbles(b[:, 16:144], 32), d * sc, -(dmin * m)
+    groups = k // 32
+    return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()

@@ -16,7 +16,7 @@
 // Q8_0 activations) into the same interleaved layout, so a group's dot product is 32 integer
 // multiply-adds (vpmaddubsw + vpmaddwd). Groups are then scaled 8 at a time: one vector with a
 // lane per group, converted once and scaled by 8 weight scales (one vcvtph2ps) times 8
-// activation scales. The int4 min term is sum_g min[g] * sum(x over group g), 8 groups per FMA.
+// activation scales. The int4 min term is sum_g min[g] * d[g] * sum(xq over group g), 8 groups per FMA.
 // Each output is summed in the same order whatever M is, so results are batch-invariant.
 // fp16 scales (as in ggml's Q8_0/Q4_1) keep the int4 format at 5 bits per weight, not 6.
 #include <torch/extension.h>
@@ -76,7 +76,7 @@ inline __m256 load_h8(const at::Half* p, int64_t count) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
 }
 
-// Activations quantized per group: xq int8 (interleaved), d (scale) and s (exact sum) fp32. Each
+// Activations quantized per group: xq int8 (interleaved), d (scale) and s = d * sum(xq) fp32. Each
 // row is padded with zero groups to a multiple of 8, so a row's last 8 groups can always be read whole.
 struct QuantX {
   int64_t G, Gp;
@@ -106,7 +106,15 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   for (int c = 0; c < 8; ++c) std::memcpy(q + interleaved(g, 4 * c), &chunks[c], 4);
   *d = dd;
-  *s = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+  // The int4 min term's sum is of the quantized values (d * sum xq, as llama.cpp's bsums), not
+  // of x: then sum_i (q_i * scale + min) * xq_i * d is the product with the rounded row, whose
+  // error is sum_i w_i e_i. With the exact sum, min * sum_i e_i was left over, and since int4
+  // groups carry a large offset (min) that doubled the output error of an int4 linear.
+  const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  *s = dd * static_cast<float>(_mm256_extract_epi32(isum, 0) + _mm256_extract_epi32(isum, 1) +
+                               _mm256_extract_epi32(isum, 2) + _mm256_extract_epi32(isum, 3) +
+                               _mm256_extract_epi32(isum, 4) + _mm256_extract_epi32(isum, 5) +
+                               _mm256_extract_epi32(isum, 6) + _mm256_extract_epi32(isum, 7));
 }
 
 QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
