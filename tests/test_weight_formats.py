@@ -127,7 +127,8 @@ def test_linear_uses_the_quantized_weights_up_to_the_row_threshold():
 
 def test_resolve_weight_format():
     assert resolve_weight_format("fp32", "cpu") == "fp32"
-    assert resolve_weight_format("auto", "cpu") in ("int8", "int4")
+    assert resolve_weight_format("auto", "cpu") == "gguf"
+    assert resolve_weight_format("gguf", "cuda") == "fp32"
     assert resolve_weight_format("int4", "cuda") == "fp32"
     with pytest.raises(ValueError, match="unknown weight format"):
         resolve_weight_format("int3", "cpu")

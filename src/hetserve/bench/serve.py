@@ -64,7 +64,8 @@ async def _run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=1000)) as c:
         async def tokenize(text: str) -> list[int]:
-            r = await c.post(args.url + "/tokenize", json={"prompt": text}, headers=headers)
+            # hetserve and vLLM read `prompt`, llama.cpp's server `content`: the same bench drives all.
+            r = await c.post(args.url + "/tokenize", json={"prompt": text, "content": text}, headers=headers)
             return r.json()["tokens"]
 
         body = await tokenize("def merge_sort(items):\n    if len(items) <= 1:\n        return items\n" * 8)

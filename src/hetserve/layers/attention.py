@@ -6,8 +6,9 @@ Each sequence then attends over its context: when its pages are consecutive
 (the block pool places them so) the context is a plain slice of the cache, read
 in place; otherwise it is gathered through one index built once per step.
 
-GQA without repeating K/V: the query heads that share a KV head are folded
-into the query axis, so SDPA runs with kv_heads heads.
+GQA without repeating K/V: a single query row folds the query heads that share a
+KV head into the query axis, so SDPA runs with kv_heads heads; longer queries use
+SDPA's own GQA (enable_gqa).
 
 Deterministic mode computes every prompt token's attention as its own call
 over exactly the keys it may see, so a token's result does not depend on how
@@ -35,13 +36,9 @@ class SeqAttention:
     ctx_len: int  # context length including the new tokens
     kv_start: int | None  # first slot when the context is one consecutive range
     kv_index: torch.Tensor | None  # else: slots of the context
-    mask: torch.Tensor | None  # [q_len, ctx_len] causal mask for multi-token queries
-    folded_mask: torch.Tensor | None = None  # the mask per folded query row, made by the first layer
-
-    def attn_mask(self, group: int) -> torch.Tensor | None:
-        if self.mask is not None and self.folded_mask is None:
-            self.folded_mask = self.mask.repeat_interleave(group, dim=0)
-        return self.folded_mask
+    # [q_len, ctx_len] causal mask of a multi-token query that continues a context (a chunk that
+    # is the whole context uses SDPA's causal flag instead)
+    mask: torch.Tensor | None
 
 
 NATIVE_MAX_QUERY_ROWS = 16  # longer prefill chunks go to SDPA, whose blocked kernel wins there
@@ -97,7 +94,7 @@ class AttentionMetadata:
                 all_slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
                 seq_slots, kv_start, kv_index = all_slots[n - q:], None, all_slots.to(device)
             mask = None
-            if q > 1 and not per_query:
+            if 1 < q < n and not per_query:
                 mask = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).to(device)
             slots.append(seq_slots)
             seqs.append(SeqAttention(q_start, q, n, kv_start, kv_index, mask))
@@ -150,7 +147,16 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
                 o = _sdpa(rows[j].view(kv_heads, g, d), keys[:, :n], values[:, :n], None, scale)
                 out[s.q_start + j] = o.reshape(-1)
             continue
-        qg = rows.view(s.q_len, kv_heads, g, d).transpose(0, 1).reshape(kv_heads, s.q_len * g, d)
-        o = _sdpa(qg, keys, values, s.attn_mask(g), scale)
-        out[s.q_start:s.q_start + s.q_len] = o.view(kv_heads, s.q_len, g, d).transpose(0, 1).reshape(s.q_len, -1)
+        if s.q_len > 1:
+            # Prefill chunks: SDPA's own GQA, and its causal flag where the chunk is the whole
+            # context (the mask is then SDPA's top-left triangle): 25% faster than the folded
+            # query with a repeated mask on the 0.5B's 512-token chunks, the same values.
+            causal = s.q_len == s.ctx_len
+            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None], keys[None], values[None],
+                                               attn_mask=None if causal else s.mask, is_causal=causal,
+                                               scale=scale, enable_gqa=True)[0]
+            out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1).reshape(s.q_len, -1)
+            continue
+        o = _sdpa(rows.view(kv_heads, g, d), keys, values, None, scale)  # one query row, heads folded
+        out[s.q_start] = o.reshape(-1)
     return out

@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 FORMATS = ("auto", "fp32", "int8", "int4", "gguf")
-# `auto` picks this where the extension runs: int8 decodes 5x faster than fp32 at +0.24% perplexity;
-# int4 is about 25% faster again but +4.6% perplexity (docs/benchmarks.md, "CPU fast path").
-AUTO_CPU_FORMAT = "int8"
+# `auto` picks this where the extension runs: the file's own blocks where a kernel format holds
+# them (no weight error added to the file's), int8 elsewhere. On the 1.5B (Q4_K/Q6_K) it reads
+# 1.17 GB a token against int8's 1.64 and decodes 1.32x faster at the same perplexity; on the
+# 0.5B (mostly Q5_0/Q8_0) it is int8 with a few int4 linears (docs/benchmarks.md, "CPU fast path").
+AUTO_CPU_FORMAT = "gguf"
 
 
 WeightFormatUnavailable = NativeUnavailable  # the int8/int4 kernels cannot be built or run here
