@@ -94,7 +94,8 @@ def test_kernel_variants_give_the_same_bits(variant):
             for fmt in ("int8", "int4"):
                 q = getattr(portable, f"quantize_{fmt}")(w)
                 assert all(torch.equal(a, c) for a, c in zip(getattr(ours, f"quantize_{fmt}")(w), q))
-                assert torch.equal(getattr(ours, f"{fmt}_linear")(x, *q, b), getattr(portable, f"{fmt}_linear")(x, *q, b))
+                linear = f"{fmt}_linear"
+                assert torch.equal(getattr(ours, linear)(x, *q, b), getattr(portable, linear)(x, *q, b))
 
 
 def test_forced_variant(monkeypatch):

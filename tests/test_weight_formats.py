@@ -134,22 +134,28 @@ def test_resolve_weight_format():
         resolve_weight_format("int3", "cpu")
 
 
+def _model_and_text(path: str):
+    """The fp32 model and tests/data/perplexity.txt as its token ids."""
+    from pathlib import Path
+
+    from hetserve.models.decoder import DecoderModel
+    from hetserve.models.gguf_loader import GGUFFile
+    from hetserve.models.tokenizer import Tokenizer
+
+    with GGUFFile(path) as f:
+        ids = Tokenizer.from_gguf_metadata(f.metadata).encode((Path(__file__).parent / "data/perplexity.txt").read_text())
+        return DecoderModel.from_gguf(path, gguf_file=f), ids
+
+
 @pytest.mark.real_model
 def test_real_model_perplexity_per_format(real_05b):
     """Perplexity of tests/data/perplexity.txt (452 tokens) under each format, all chunks run by the
     quantized kernels. Measured on the 0.5B: fp32 8.5056, int8 8.5139 (+0.10%; its Q5_0/Q8_0
     tensors taken from the file as they are, +0.26% when every tensor was re-quantized), int4
     8.890 (+4.5%)."""
-    from pathlib import Path
-
-    from hetserve.models.decoder import DecoderModel
-    from hetserve.models.gguf_loader import GGUFFile
     from hetserve.models.perplexity import perplexity
-    from hetserve.models.tokenizer import Tokenizer
 
-    with GGUFFile(real_05b) as f:
-        ids = Tokenizer.from_gguf_metadata(f.metadata).encode((Path(__file__).parent / "data/perplexity.txt").read_text())
-        model = DecoderModel.from_gguf(real_05b, gguf_file=f)
+    model, ids = _model_and_text(real_05b)
     ppl = {"fp32": perplexity(model, ids)}
     for fmt in ("int8", "int4"):
         model.quantize_weights(fmt)
@@ -199,16 +205,9 @@ def test_real_model_bf16_prefill_perplexity(real_05b):
 
     if not cpu_has_bf16_gemm():
         pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16 (bf16 GEMM would be emulated)")
-    from pathlib import Path
-
-    from hetserve.models.decoder import DecoderModel
-    from hetserve.models.gguf_loader import GGUFFile
     from hetserve.models.perplexity import perplexity
-    from hetserve.models.tokenizer import Tokenizer
 
-    with GGUFFile(real_05b) as f:
-        ids = Tokenizer.from_gguf_metadata(f.metadata).encode((Path(__file__).parent / "data/perplexity.txt").read_text())
-        model = DecoderModel.from_gguf(real_05b, gguf_file=f)
+    model, ids = _model_and_text(real_05b)
     model.quantize_weights("int8")
     fp32 = perplexity(model, ids, chunk=512)
     model.use_gemm_dtype(torch.bfloat16)

@@ -39,7 +39,7 @@ class EngineConfig:
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
     weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int8 on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
-    prefill_format: str = "auto"  # weights of larger steps: fp32 | bf16 | auto (bf16 on CPUs with AMX/AVX512-BF16 and quantized weights)
+    prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
     spec_policy: str = "fixed"  # or acceptance-rate, accepted-length, cost
@@ -70,7 +70,8 @@ class EngineConfig:
             raise ValueError(f"gemv_max_rows must be a non-negative integer, got {self.gemv_max_rows!r}")
         for name in ("weight_format", "speculative_weight_format"):
             if getattr(self, name) not in ("auto", "fp32", "int8", "int4", "gguf"):
-                raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} (auto, fp32, int8, int4, gguf)")
+                raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} "
+                                 "(auto, fp32, int8, int4, gguf)")
         if self.prefill_format not in ("auto", "fp32", "bf16"):
             raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16)")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:

@@ -115,7 +115,8 @@ def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) 
     Q4_K blocks (see models/gguf_quants.nibble_blocks)."""
     n, k = q.shape
     if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or min.shape != scale.shape:
-        raise ValueError(f"int4 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scale and min [N, K/{GROUP}]")
+        raise ValueError(f"int4 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scale and min "
+                         f"[N, K/{GROUP}]")
     groups = k // GROUP
     blocks = -(-groups // 4)
     values = torch.zeros(n, blocks * 4 * GROUP, dtype=torch.uint8)  # interleaved, one value a byte

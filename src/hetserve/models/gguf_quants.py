@@ -16,7 +16,8 @@ import math
 from typing import Callable
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 __all__ = ["SUPPORTED_TYPES", "dequantize", "tensor_nbytes"]
 
@@ -199,6 +200,15 @@ def dequantize(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Ten
     return out.view(shape)
 
 
+def _matrix_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[int, int, torch.Tensor]:
+    """rows, K and the blocks [n, type_size] of a quantized matrix, its size checked."""
+    rows, k = (int(s) for s in shape)
+    expected = tensor_nbytes(qtype, rows * k)
+    if raw.numel() != expected:
+        raise ValueError(f"{qtype.name} {tuple(shape)}: expected {expected} bytes, got {raw.numel()}")
+    return rows, k, raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+
+
 # Formats whose blocks are 32 signed integers times one fp16 scale: the int8 weight format
 # (layers/weight_formats.py) holds them exactly, so their int8 copy adds no error to the file's.
 INTEGER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q5_0, T.Q8_0})
@@ -210,11 +220,7 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
     qtype = T(qtype)
     if qtype not in INTEGER_BLOCK_TYPES:
         raise ValueError(f"{qtype.name} blocks are not 32 integers and one scale")
-    rows, k = (int(s) for s in shape)
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    if raw.numel() != tensor_nbytes(qtype, rows * k):
-        raise ValueError(f"{qtype.name} {tuple(shape)}: expected {tensor_nbytes(qtype, rows * k)} bytes, got {raw.numel()}")
-    b = raw.reshape(-1, type_size)
+    rows, k, b = _matrix_blocks(raw, qtype, shape)
     d = b[:, 0:2].contiguous().view(torch.float16)
     if qtype == T.Q8_0:
         q = b[:, 2:34].contiguous().view(torch.int8)
@@ -231,17 +237,14 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
 NIBBLE_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_K})
 
 
-def nibble_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nibble_blocks(raw: torch.Tensor, qtype: T,
+                  shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0/Q4_K matrix [rows, K] as q (uint8 0..15 [rows, K]) with per-group-of-32 scale and
     min (fp16 [rows, K / 32]): w = q * scale + min."""
     qtype = T(qtype)
     if qtype not in NIBBLE_BLOCK_TYPES:
         raise ValueError(f"{qtype.name} blocks are not 4-bit groups of 32")
-    rows, k = (int(s) for s in shape)
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    if raw.numel() != tensor_nbytes(qtype, rows * k):
-        raise ValueError(f"{qtype.name} {tuple(shape)}: expected {tensor_nbytes(qtype, rows * k)} bytes, got {raw.numel()}")
-    b = raw.reshape(-1, type_size)
+    rows, k, b = _matrix_blocks(raw, qtype, shape)
     if qtype == T.Q4_0:
         d = _f16(b[:, 0:2])
         q, scale, mn = _nibbles(b[:, 2:18], 16), d, -8 * d
