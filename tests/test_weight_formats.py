@@ -297,3 +297,36 @@ def test_int4_min_term_uses_the_rounded_activations():
     xq, d, _ = _quantize_rows(x)
     rounded = (xq * d[..., None]).view(3, 256).float()
     torch.testing.assert_close(qw.matmul(x, None), rounded @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_silu_mul_takes_bf16_exactly():
+    """bf16 in, bf16 out: the fp32 op's result rounded to bf16 (what the next bf16 GEMM reads)."""
+    k = kernels()
+    for t, i in ((37, 4864), (3, 13)):
+        x = (torch.randn(t, 2 * i) * 3).bfloat16()
+        assert torch.equal(k.silu_mul(x), k.silu_mul(x.float()).bfloat16())
+
+
+def test_bf16_prefill_mlp_skips_conversions_exactly(tiny_qwen2, monkeypatch):
+    """The MLP's bf16 path (gate/up GEMM output straight into SiLU-and-mul, its bf16 output
+    into the down GEMM) gives the same hidden states as converting to fp32 and back."""
+    from hetserve.layers.attention import AttentionMetadata
+    from hetserve.models.decoder import DecoderModel
+
+    model = DecoderModel.from_gguf(tiny_qwen2)
+    model.quantize_weights("int8")
+    model.use_fused_ops()
+    model.use_gemm_dtype(torch.bfloat16)
+    ids = torch.arange(40) % 300 + 5
+
+    def hidden():
+        kv = model.allocate_kv_cache(48)
+        meta = AttentionMetadata.build([40], [40], [list(range(12))], 4, model.device)
+        return model.forward(ids, torch.arange(40), meta, kv)
+
+    assert all(layer.gate_up.lowp and layer.down.lowp for layer in model.layers)
+    x = torch.randn(40, model.config.hidden_size)
+    assert model.layers[0].gate_up.gemm_lowp(x).dtype == torch.bfloat16  # 40 rows: past the kernels
+    fast = hidden()
+    monkeypatch.setattr(Linear, "gemm_lowp", lambda self, x: None)  # the path through fp32
+    assert torch.equal(fast, hidden())

@@ -53,7 +53,7 @@ def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "policy", "name", "qweight", "source")
+    __slots__ = ("weight", "bias", "policy", "name", "qweight", "source", "lowp")
 
     def use_gemm_dtype(self, dtype: torch.dtype) -> None:
         """Keep the weight for steps past the quantized kernels (prefill chunks) in `dtype`
@@ -61,6 +61,7 @@ class Linear:
         linears: each product takes bf16 inputs, accumulates in fp32 (oneDNN) and comes back to
         fp32, so the residual stream is never rounded to bf16."""
         self.weight = self.weight.to(dtype)
+        self.lowp = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None,
                  name: str = "linear"):
@@ -69,6 +70,7 @@ class Linear:
         self.policy = policy or MatmulPolicy()
         self.name = name
         self.qweight: QuantizedWeight | None = None
+        self.lowp = False  # the weight is a bf16 GEMM copy (use_gemm_dtype); activations stay fp32
         # The GGUF tensors whose rows the weight stacks, each with the head count its rows were
         # un-permuted by (0: none), so quantized formats can take the file's own blocks.
         self.source: tuple[tuple[str, int], ...] = ()
@@ -82,15 +84,25 @@ class Linear:
         if p.deterministic:
             with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
                 return fixed_order_linear(x, self.weight, self.bias)
-        if self.weight.dtype != x.dtype:  # bf16 GEMM weights (use_gemm_dtype): fp32 in, fp32 out
+        if self.lowp:  # bf16 GEMM weights (use_gemm_dtype): fp32 (or bf16) in, fp32 out
             with trace.span("matmul", op=self.name, impl="gemm-bf16", rows=m):
-                y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+                y = F.linear(x.to(self.weight.dtype), self.weight).float()
                 return y if self.bias is None else y.add_(self.bias)
         if 1 < m <= p.gemv_max_rows:
             with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
                 return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
         with trace.span("matmul", op=self.name, impl="gemv" if m == 1 else "gemm", rows=m):
             return F.linear(x, self.weight, self.bias)
+
+    def gemm_lowp(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 GEMM's own output (not brought back to fp32) where this step would run it,
+        for a consumer that reads bf16 (the decoder's fused SiLU-and-mul); else None."""
+        p = self.policy
+        if not self.lowp or self.bias is not None or p.deterministic or \
+                (self.qweight is not None and x.shape[0] <= p.quant_max_rows):
+            return None
+        with trace.span("matmul", op=self.name, impl="gemm-bf16", rows=x.shape[0]):
+            return F.linear(x.to(self.weight.dtype), self.weight)
 
     @property
     def out_features(self) -> int:

@@ -235,7 +235,10 @@ class DecoderModel:
                         delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=self.fused))
                     with trace.span("mlp"):
                         x = self._norm(h, layer.mlp_norm, delta)
-                        delta = layer.down(self._silu_mul(layer.gate_up(x)))
+                        # bf16 prefill: the gate/up GEMM's bf16 output goes straight into the
+                        # fused SiLU-and-mul, whose bf16 output is the down GEMM's input.
+                        raw = layer.gate_up.gemm_lowp(x) if self.fused is not None and layer.down.lowp else None
+                        delta = layer.down(self._silu_mul(layer.gate_up(x) if raw is None else raw))
             return self._norm(h, self.final_norm, delta)
 
     # Each step below is one native call where `fused` is set, else the torch ops it replaces.

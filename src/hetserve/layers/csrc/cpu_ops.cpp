@@ -138,28 +138,57 @@ inline float exp1(float x) {  // the same function, one value (tails of rows)
   return b[0];
 }
 
-// SwiGLU's gate: gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I].
+// 8 values as fp32, from fp32 or bf16 (exact: a bf16 is the top half of an fp32).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Rounded to bf16 to nearest even, as torch's .to(torch.bfloat16) (finite values).
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 8 x u16 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <class T>
+void silu_mul_rows(const T* xp, T* yp, int64_t T_, int64_t I) {
+  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T *g = xp + t * 2 * I, *u = g + I;
+      T* o = yp + t * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = load8(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        store8(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), load8(u + j)));
+      }
+      for (; j < I; ++j) {
+        const float gj = static_cast<float>(g[j]);
+        o[j] = static_cast<T>(gj / (1.f + exp1(-gj)) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+// SwiGLU's gate: gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I], computed in fp32.
+// bf16 in (a bf16 GEMM's output) gives bf16 out: the same values as converting the input to
+// fp32, running the fp32 op and rounding its result to bf16 for the next bf16 GEMM, without the
+// two conversion passes over [T, 2I] and [T, I].
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32(gate_up, "gate_up");
+  const bool bf16 = gate_up.scalar_type() == torch::kBFloat16;
+  if (!bf16) check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.device().is_cpu(), "gate_up must be a contiguous CPU tensor");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [T, 2I] expected");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto y = torch::empty({T, I}, gate_up.options());
-  const float* xp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = xp + t * 2 * I, *u = g + I;
-      float* o = yp + t * I;
-      int64_t j = 0;
-      for (; j + 8 <= I; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                              _mm256_loadu_ps(u + j)));
-      }
-      for (; j < I; ++j) o[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
-    }
-  });
+  if (bf16)
+    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), T, I);
+  else
+    silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), T, I);
   return y;
 }
 
@@ -277,6 +306,6 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
 void register_cpu_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, optionally after an in-place residual add");
   m.def("rope_kv_write", &rope_kv_write, "RoPE on q and k of a fused qkv, k and v written to the KV cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up (fp32, or bf16 in and out)");
   m.def("attend_rows", &attend_rows, "attention of single query rows over paged KV, in place");
 }
