@@ -30,10 +30,11 @@ _ENGINE_HELP = {
     "trace_directory": "write a Chrome/Perfetto trace (trace-<worker>-<pid>.json) per process into this directory",
     "torch_profile": "write a torch.profiler trace of 10 engine steps into this directory",
     "gemv_max_rows": "run steps of 2..N rows as per-row matrix-vector products (0 = off)",
-    "weight_format": "linear weights: fp32 (exact), int8, int4, or auto (int8 on AVX2 CPUs, fp32 elsewhere)",
+    "weight_format": "linear weights: fp32 (exact), int8, int4, gguf (the file's own blocks where a kernel holds "
+                     "them), or auto (gguf on AVX2 CPUs, fp32 elsewhere)",
     "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM",
     "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
-                      "with AMX-BF16 or AVX512-BF16 when the weight format is int8/int4, else fp32)",
+                      "with AMX-BF16 or AVX512-BF16 when the weights are quantized, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
     "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",

@@ -37,7 +37,7 @@ class EngineConfig:
     trace_directory: str | None = None  # write a Chrome/Perfetto trace per process here
     torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
-    weight_format: str = "auto"  # fp32 | int8 | int4 | auto (int8 on CPUs with AVX2, else fp32)
+    weight_format: str = "auto"  # fp32 | int8 | int4 | gguf | auto (gguf on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary

@@ -85,9 +85,8 @@ class Linear:
             with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
                 return fixed_order_linear(x, self.weight, self.bias)
         if self.lowp:  # bf16 GEMM weights (use_gemm_dtype): fp32 (or bf16) in, fp32 out
-            with trace.span("matmul", op=self.name, impl="gemm-bf16", rows=m):
-                y = F.linear(x.to(self.weight.dtype), self.weight).float()
-                return y if self.bias is None else y.add_(self.bias)
+            y = self._gemm_lowp(x).float()
+            return y if self.bias is None else y.add_(self.bias)
         if 1 < m <= p.gemv_max_rows:
             with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
                 return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
@@ -101,6 +100,9 @@ class Linear:
         if not self.lowp or self.bias is not None or p.deterministic or \
                 (self.qweight is not None and x.shape[0] <= p.quant_max_rows):
             return None
+        return self._gemm_lowp(x)
+
+    def _gemm_lowp(self, x: torch.Tensor) -> torch.Tensor:
         with trace.span("matmul", op=self.name, impl="gemm-bf16", rows=x.shape[0]):
             return F.linear(x.to(self.weight.dtype), self.weight)
 

@@ -116,8 +116,10 @@ def build(name: str):
                                 f"a C++ compiler is needed") from None
 
 
+@functools.cache
 def kernels():
-    """The compiled extension of this CPU's variant; built on first use, then loaded from the cache."""
+    """The compiled extension of this CPU's variant; built on first use, then loaded from the
+    cache. Resolved once per process (every quantized matmul asks for it)."""
     name = variant()
     if name is None:
         raise NativeUnavailable(f"the native CPU kernels need AVX2, FMA and F16C; this CPU reports "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -169,16 +170,12 @@ class DecoderModel:
         added = 0
         if fmt == "fp32":
             return added
-        gguf = GGUFFile(self.path) if self.path and self.device.type == "cpu" else None
-        try:
+        with GGUFFile(self.path) if self.path and self.device.type == "cpu" else nullcontext() as gguf:
             for lin in self.linears():
                 if lin.weight.shape[1] % GROUP == 0:
                     lin.qweight = (_file_quantized(gguf, lin, fmt) if gguf else None) or \
                         quantize(lin.weight, "int8" if fmt == "gguf" else fmt)
                     added += lin.qweight.nbytes
-        finally:
-            if gguf:
-                gguf.close()
         return added
 
     def use_gemm_dtype(self, dtype: torch.dtype) -> None:
@@ -186,10 +183,9 @@ class DecoderModel:
         have quantized weights for small steps: their fp32 copy is then replaced, not kept beside
         it. The output head stays as it is (it shares the embedding's storage when tied, and
         prefill runs it on the last row of each sequence only)."""
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if lin.qweight is not None:
-                    lin.use_gemm_dtype(dtype)
+        for lin in self.linears():
+            if lin is not self.lm_head and lin.qweight is not None:
+                lin.use_gemm_dtype(dtype)
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config

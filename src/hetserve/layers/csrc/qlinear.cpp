@@ -110,11 +110,9 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
   // of x: then sum_i (q_i * scale + min) * xq_i * d is the product with the rounded row, whose
   // error is sum_i w_i e_i. With the exact sum, min * sum_i e_i was left over, and since int4
   // groups carry a large offset (min) that doubled the output error of an int4 linear.
+  // (Lane sums of at most 4 * 127 and their total, at most 32 * 127, are exact in fp32.)
   const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-  *s = dd * static_cast<float>(_mm256_extract_epi32(isum, 0) + _mm256_extract_epi32(isum, 1) +
-                               _mm256_extract_epi32(isum, 2) + _mm256_extract_epi32(isum, 3) +
-                               _mm256_extract_epi32(isum, 4) + _mm256_extract_epi32(isum, 5) +
-                               _mm256_extract_epi32(isum, 6) + _mm256_extract_epi32(isum, 7));
+  *s = dd * hsum(_mm256_cvtepi32_ps(isum));
 }
 
 QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -168,9 +166,10 @@ struct Int4Weights {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     // A 16-bit lane of one multiply-add holds 2 products of at most 15 * 127, so the block's 4
     // products per lane (at most 15240) sum exactly in 16 bits: one widening per block, not four.
-    __m256i s16[R];
 #if kVnni
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#else
+    __m256i s16[R];
 #endif
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
@@ -188,8 +187,6 @@ struct Int4Weights {
     }
 #if !kVnni
     for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
-#else
-    (void)s16;
 #endif
   }
 };
