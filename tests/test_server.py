@@ -154,15 +154,42 @@ BAD = [
     ("/v1/completions", '{"prompt": "x", "top_p": 2}', 400, "top_p"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": 100000}', 400, "exceeds the model's context of 512"),
     ("/v1/completions", '{"prompt": "x", "logprobs": 50}', 400, "logprobs"),
-    ("/v1/completions", '{"prompt": "x", "n": 100}', 422, "n"),
+    ("/v1/completions", '{"prompt": "x", "n": 100}', 400, "n"),
+    ("/v1/completions", '{"prompt": "x", "n": 0}', 400, "n"),
     ("/v1/completions", json.dumps({"prompt": "x", "stop": ["s"] * 40}), 400, "stop"),
     ("/v1/completions", '{"prompt": [1, 2, 999999]}', 400, "outside the vocabulary"),
     ("/v1/completions", '{"prompt": ""}', 400, "empty"),
-    ("/v1/completions", '{"prompt": {"a": 1}}', 422, "prompt"),
+    ("/v1/completions", '{"prompt": {"a": 1}}', 400, "prompt"),
     ("/v1/completions", '{"prompt": "x", "model": "gpt-9"}', 404, "does not exist"),
-    ("/v1/completions", '{not json', 422, "invalid"),
+    ("/v1/completions", '{not json', 400, "invalid"),
+    # Integers that would overflow the worker messages' 64-bit fields (were 500s).
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}', 400, "seed"),
+    ("/v1/completions", '{"prompt": "hi", "top_k": 1180591620717411303424}', 400, "top_k"),
+    ("/v1/completions", '{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', 400, "stop_token_ids"),
+    # Lone surrogates are valid JSON, not text (were 500s).
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', 400, "surrogate"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate"),
+    ("/tokenize", '{"prompt": "\\udfff"}', 400, "surrogate"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}', 400, "surrogate"),
+    # Output constraints are refused, never silently ignored.
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+     '"response_format": {"type": "json_object"}}', 400, "response_format is not supported"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+     '"function": {"name": "f"}}]}', 400, "tools is not supported"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', 400,
+     "tool_choice"),
+    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "object"}}', 400, "guided_json"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"999999": 1}}', 400, "outside the vocabulary"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', 400, "echo"),
+    # OpenAI's and vLLM's 400s where pydantic says 422.
+    ("/v1/chat/completions", '{"messages": "hi"}', 400, "messages"),
+    ("/v1/chat/completions", '{"messages": [{"content": "x"}]}', 400, "role"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+     '"stream_options": {"include_usage": true}}', 400, "stream_options"),
     ("/v1/chat/completions", '{"messages": []}', 400, "empty"),
-    ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "x"}]}', 422, "role"),
+    ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
     ("/v1/nothing", '{}', 404, "Not Found"),
     ("/detokenize", '{"tokens": [-1]}', 400, "outside the vocabulary"),
 ]

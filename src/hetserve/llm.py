@@ -170,6 +170,8 @@ class LLM:
             finished, reason = True, "stop"
         out.token_ids = req.output_token_ids
         out.logprobs = req.logprobs
+        if req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
         out.num_cached_tokens = req.num_cached_tokens
         if not finished:
             return False

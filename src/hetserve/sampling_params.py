@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+_INT64 = 2**63  # what crosses the worker boundary (msgpack) must fit a signed 64-bit integer
 
 
 @dataclass
@@ -25,7 +27,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-N log-probabilities per generated token
+    prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token (vLLM); no prefix-cache hits
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +38,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        bias = self.logit_bias or {}
+        # On the wire (msgpack maps have string keys) it travels as [[id, bias], ...].
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            self.logit_bias = {int(t) if isinstance(t, str) else t: b for t, b in pairs}
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to numbers") from None
         self.validate()
 
     def validate(self) -> None:
@@ -44,34 +55,40 @@ class SamplingParams:
             if v < lo or v > hi or (lo_open and v == lo):
                 raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
 
-        def integer(name: str, lo: int, allow_none: bool = False) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-
         finite("temperature", 0.0, 100.0)
         finite("top_p", 0.0, 1.0, lo_open=True)
         finite("min_p", 0.0, 1.0)
         finite("repetition_penalty", 0.0, 100.0, lo_open=True)
         finite("presence_penalty", -2.0, 2.0)
         finite("frequency_penalty", -2.0, 2.0)
+        def integer(name: str, lo: int, allow_none: bool = False, hi: int = _INT64 - 1) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
         integer("top_k", 0)
         integer("max_tokens", 1, allow_none=True)
         integer("min_tokens", 0)
-        integer("seed", -(2**63), allow_none=True)
-        integer("logprobs", 0, allow_none=True)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        integer("seed", -_INT64, allow_none=True)
+        integer("logprobs", 0, allow_none=True, hi=MAX_LOGPROBS)
+        integer("prompt_logprobs", 0, allow_none=True, hi=MAX_LOGPROBS)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _INT64 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative 64-bit integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _INT64:
+                raise ValueError(f"logit_bias keys must be token ids, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:

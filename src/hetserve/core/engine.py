@@ -104,6 +104,9 @@ class EngineCore:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        bad = [t for t in req.params.logit_bias if not t < vocab]
+        if bad:
+            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
         if self.spec_policy is not None:
             req.spec = self.spec_policy.new_state()
@@ -112,7 +115,7 @@ class EngineCore:
             self.prefill_only.add(req.request_id)
         trace.instant("queued", request=req.request_id, prompt_tokens=req.num_prompt_tokens)
         # Only prompts longer than a page have a full page to share.
-        if req.num_prompt_tokens <= self.pool.page_size or \
+        if req.num_prompt_tokens <= self.pool.page_size or req.needs_prompt_logprobs or \
                 self.flights.add(req.request_id, (tuple(req.prompt_token_ids), req.cache_salt)):
             self.scheduler.add(req)
         else:
@@ -223,7 +226,8 @@ class EngineCore:
                 self._run(self.flights.prefill_done(req.request_id, release=incremental))
             if got is None:
                 continue
-            if req.metrics.first_token_time is None:
+            first = req.metrics.first_token_time is None
+            if first:
                 req.metrics.first_token_time = now
                 trace.instant("first token", request=req.request_id)
             if status is not None:
@@ -236,7 +240,9 @@ class EngineCore:
             elif req.request_id in self.prefill_only:
                 self._park(req)
             outputs.append(EngineOutput(req.request_id, new_tokens, status is not None,
-                                        status.value if status else None, new_logprobs))
+                                        status.value if status else None, new_logprobs,
+                                        req.prompt_logprobs if first and req.params.prompt_logprobs is not None
+                                        else None))
         return outputs
 
     # -- speculative decoding --------------------------------------------------------------------

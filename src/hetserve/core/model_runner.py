@@ -60,6 +60,7 @@ class ModelRunner:
                                        per_query=self.model.policy.deterministic)
         hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                                     self.kv_caches)
+        self._score_prompts(scheduled, hidden)
         for req, first in spec:
             sample_rows.extend(range(first, first + len(req.spec_token_ids) + 1))
         if not sample_rows:
@@ -76,6 +77,27 @@ class ModelRunner:
             with trace.span("verify", requests=len(spec)):
                 out.update(self._verify([r for r, _ in spec], logits[plain:]))
         return out
+
+    PROMPT_LOGPROB_ROWS = 64  # logits rows at a time: a 512-token chunk's whole [512, 152k] would be 311 MB
+
+    def _score_prompts(self, scheduled: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities (params.prompt_logprobs) of the prompt tokens this step's rows predict."""
+        offset = 0
+        for req, n in scheduled:
+            start, base = req.num_computed_tokens, offset
+            offset += n
+            if not req.needs_prompt_logprobs:
+                continue
+            # Row at position p predicts prompt token p + 1; positions already scored are skipped.
+            positions = [p for p in range(max(start, len(req.prompt_logprobs) - 1), start + n)
+                         if p + 1 < req.num_prompt_tokens]
+            for i in range(0, len(positions), self.PROMPT_LOGPROB_ROWS):
+                chunk = positions[i:i + self.PROMPT_LOGPROB_ROWS]
+                rows = torch.tensor([base + p - start for p in chunk], device=hidden.device)
+                lps = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)
+                for j, p in enumerate(chunk):
+                    req.prompt_logprobs.append(logprob_entry(lps[j], req.prompt_token_ids[p + 1],
+                                                             req.params.prompt_logprobs))
 
     def _verify(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, Sampled]:
         """logits: each request's K + 1 positions, request after request."""

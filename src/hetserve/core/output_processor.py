@@ -23,6 +23,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0
 

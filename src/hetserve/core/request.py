@@ -49,6 +49,10 @@ class Request:
         self.block_ids: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.logprobs: list[dict[int, float]] = []
+        # params.prompt_logprobs: entry i scores prompt token i given the tokens before it (the first
+        # has none). Filled as prefill chunks run; a request still missing some is never served from
+        # the prefix cache, and a recomputation after preemption does not add them twice.
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]
         self.cache_salt = cache_salt
         self.page_hashes: list[bytes] = []  # prefix-cache hashes of full pages, extended lazily
         self.num_published_pages = 0
@@ -81,6 +85,10 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
@@ -98,3 +106,4 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first token, when asked for

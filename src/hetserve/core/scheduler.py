@@ -103,7 +103,7 @@ class Scheduler:
 
     def _restore(self, req: Request) -> None:
         """At admission, start from the longest cached prefix (a resumed request re-hits its own pages)."""
-        if self.prefix_cache is None or req.block_ids or req.num_computed_tokens:
+        if self.prefix_cache is None or req.block_ids or req.num_computed_tokens or req.needs_prompt_logprobs:
             return
         pages = self.prefix_cache.lookup(self._hashes(req), req.all_token_ids)
         req.block_ids = pages

@@ -1,6 +1,6 @@
 """Sampling for a batch of rows, each with its own parameters and random generator.
 
-Order of processing (as in vLLM): penalties, min_tokens masking, temperature,
+Order of processing (as in vLLM): logit bias, penalties, min_tokens masking, temperature,
 top-k, top-p, min-p, then a draw. Greedy rows skip everything after penalties.
 A seeded row draws only from its own generator, so its tokens do not depend on
 its batch neighbours.
@@ -25,7 +25,13 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Logit bias, penalties and blocked tokens, in place on one row: every path that picks a
+    token (plain sampling, greedy and lossless verification, the draft) goes through here, so
+    they all see the same adjusted logits."""
     p = row.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]

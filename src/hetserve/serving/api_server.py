@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..models.tokenizer import ChatTemplateError
+from ..sampling_params import SamplingParams
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
 from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -37,8 +39,25 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
+RETRY_AFTER_S = 1  # what a 503 (queue full, no worker) tells clients to wait before retrying
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+@dataclass
+class _Job:
+    """One choice of a request: its prompt ids (shared by its n copies), parameters and output state."""
+
+    index: int
+    ids: list[int]
+    params: SamplingParams
+    echo: str | None = None  # completions with echo: the prompt's text, shown first
+    score_only: bool = False  # echo with max_tokens 0: one token is run for the prompt's scores, none shown
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given
+    text_offset: int = 0  # characters of this choice's text so far (logprobs' text_offset)
 
 
 class _LimitsAndAuth:
@@ -89,9 +108,12 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
+        # OpenAI and vLLM answer a malformed body with 400 (the openai client's BadRequestError),
+        # not pydantic's 422.
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return error_response(422, f"invalid request: {where or 'body'}: {first.get('msg', 'invalid')}", where)
+        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        return error_response(400, f"invalid request: {where or 'body'}: {msg}", where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -130,7 +152,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
             ids = await _encode_chat(msgs, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = await fe.run_blocking(fe.tokenizer.encode, body.prompt)
+            ids = await fe.run_blocking(lambda: fe.tokenizer.encode(body.prompt, allow_special=body.parse_special))
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": fe.max_model_len}
@@ -144,9 +166,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        prompts = await _completion_prompts(body.prompt)
+        prompts = await _completion_prompts(body.prompt, body.parse_special)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 is only meaningful with echo (prompt scoring)", "max_tokens")
         return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -175,7 +197,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         except (ChatTemplateError, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
-    async def _completion_prompts(prompt) -> list[list[int]]:
+    async def _completion_prompts(prompt, parse_special: bool) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -186,7 +208,8 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
         out = []
         for p in prompt:
-            ids = await fe.run_blocking(fe.tokenizer.encode, p) if isinstance(p, str) else list(p)
+            ids = (await fe.run_blocking(lambda: fe.tokenizer.encode(p, allow_special=parse_special))
+                   if isinstance(p, str) else list(p))
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             _check_ids(ids, "prompt")
@@ -195,40 +218,79 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
 
     async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool):
         # n choices per prompt share its id list (usage counts each prompt once).
+        echo = not chat and body.echo
+        score_only = echo and max_tokens == 0  # prompt scoring: run one token, return none
         choice_prompts = [ids for ids in prompts for _ in range(body.n)]
         try:
             fe.check_capacity()
-            params = [body.sampling_params(max_tokens, logprobs, i % body.n) for i in range(len(choice_prompts))]
+            params = [body.sampling_params(1 if score_only else max_tokens, logprobs, i % body.n)
+                      for i in range(len(choice_prompts))]
             for p, ids in zip(params, choice_prompts):
+                if echo and logprobs is not None and p.prompt_logprobs is None:
+                    p.prompt_logprobs = logprobs  # echo + logprobs scores the prompt too
                 p.max_tokens = fe.check_length(len(ids), p.max_tokens)
+                _check_ids(list(p.logit_bias), "logit_bias")
         except ServiceUnavailable as e:
             raise APIError(503, str(e)) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        jobs = list(zip(range(len(choice_prompts)), choice_prompts, params))
+        echoes = {}
+        if echo:
+            for ids in prompts:
+                echoes[id(ids)] = await fe.run_blocking(fe.tokenizer.decode, ids, False)
+        jobs = [_Job(i, ids, p, echoes.get(id(ids)), score_only, body.prompt_logprobs is not None)
+                for i, (ids, p) in enumerate(zip(choice_prompts, params))]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(jobs, rid, created, chat, include_usage, _route(body)),
                                      media_type="text/event-stream")
         return await _collect(jobs, rid, created, chat, request, _route(body))
 
-    def _logprobs_entry(delta_logprobs: list[dict[int, float]], token_ids: list[int], chat: bool, n: int):
-        def piece(t: int) -> str:
-            return fe.tokenizer.decode([t], False)
+    def piece(t: int) -> str:
+        return fe.tokenizer.decode([t], False)
 
-        def top(lps: dict[int, float]) -> list[tuple[str, float]]:
-            return [(piece(t), v) for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:n]]
+    def _logprobs_entry(delta_logprobs: list[dict[int, float] | None], token_ids: list[int], chat: bool, n: int,
+                        offset: int = 0):
+        """OpenAI's logprobs object. Chat: each token's top_logprobs are the n most likely. Completions
+        (legacy shape): the sampled token plus the top n (up to n + 1 entries), None for a prompt's
+        first token (echo), and text_offset, each token's character offset in the returned text."""
+        def top(lps: dict[int, float], k: int) -> list[tuple[str, float]]:
+            return [(piece(t), v) for t, v in sorted(lps.items(), key=lambda kv: -kv[1])[:k]]
 
         if chat:
             return {"content": [
                 {"token": piece(tok), "logprob": lps.get(tok), "bytes": list(piece(tok).encode()),
-                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top(lps)]}
+                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in top(lps, n)]}
                 for tok, lps in zip(token_ids, delta_logprobs)]}
-        return {"tokens": [piece(t) for t in token_ids],
-                "token_logprobs": [lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
-                "top_logprobs": [dict(top(lps)) for lps in delta_logprobs]}
+        tokens = [piece(t) for t in token_ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens,
+                "token_logprobs": [None if lps is None else lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
+                "top_logprobs": [None if lps is None else dict(top(lps, n + 1)) for lps in delta_logprobs],
+                "text_offset": offsets}
+
+    def _prompt_logprobs(entries: list[dict[int, float] | None] | None, ids: list[int], n: int):
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else {id: {logprob, rank,
+        decoded_token}} for the prompt token and the top-N (rank: 1-based among those; None for a
+        prompt token outside the top N)."""
+        if entries is None:
+            return None
+        out = []
+        for tok, lps in zip(ids, entries):
+            if lps is None:
+                out.append(None)
+                continue
+            # The entry holds the top n and the prompt token; an (n + 1)-th entry is the prompt
+            # token ranked below them all, at an unknown rank.
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1])
+            out.append({str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": piece(t)}
+                        for i, (t, v) in enumerate(ranked)})
+        return out
 
     def _route(body) -> dict:
         return {"cache_salt": body.cache_salt, "worker": body.worker}
@@ -244,17 +306,42 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def _collect(jobs, rid, created, chat, request: Request, route: dict):
-        async def one(i, ids, params):
-            text, toks, lps, last = [], [], [], None
-            async for d in _run(ids, params, route):
-                text.append(d.text)
-                toks += d.token_ids
-                lps += d.logprobs
-                last = d
-            return i, "".join(text), toks, lps, last
+    def _shown(job: "_Job", d: Delta) -> tuple[str, list[int], list]:
+        """What a choice shows of a delta: nothing of the one token a prompt-scoring job runs."""
+        return ("", [], []) if job.score_only else (d.text, d.token_ids, d.logprobs)
 
-        tasks = [asyncio.ensure_future(one(*j)) for j in jobs]
+    def _choice_body(job: "_Job", text: str, toks: list[int], lps: list, chat: bool, first: bool,
+                     prompt_lps: list | None, finished: bool) -> dict:
+        """A choice's new text (or message) and logprobs; the first one of a completion with echo
+        starts with the prompt, and its logprobs with the prompt's scores (None for its first token)."""
+        n = job.params.logprobs
+        if chat:
+            return {"content": text, "logprobs": _logprobs_entry(lps, toks, True, n) if n is not None else None}
+        out = {"text": text, "logprobs": None}
+        if first and job.echo is not None:
+            out["text"] = job.echo + text
+            if n is not None:
+                toks, lps = job.ids + toks, (prompt_lps or [None] * len(job.ids)) + lps
+        if n is not None and (toks or finished):
+            out["logprobs"] = _logprobs_entry(lps, toks, False, n, job.text_offset)
+        job.text_offset += len(out["text"])
+        if first and job.want_prompt_logprobs:
+            out["prompt_logprobs"] = _prompt_logprobs(prompt_lps, job.ids, job.params.prompt_logprobs)
+        return out
+
+    async def _collect(jobs: list["_Job"], rid, created, chat, request: Request, route: dict):
+        async def one(job: _Job):
+            text, toks, lps, last, prompt_lps = [], [], [], None, None
+            async for d in _run(job.ids, job.params, route):
+                t, ti, lp = _shown(job, d)
+                text.append(t)
+                toks += ti
+                lps += lp
+                last = d
+                prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
+            return "".join(text), toks, lps, last, prompt_lps
+
+        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
 
         async def watch():  # a client that goes away cancels the work
             while True:
@@ -276,18 +363,18 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             watcher.cancel()
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         seen_prompts = set()
-        for (i, text, toks, lps, last), (_, ids, params) in zip(results, jobs):
-            lp = _logprobs_entry(lps, toks, chat, params.logprobs or 0) if params.logprobs is not None else None
-            choice = {"index": i, "logprobs": lp, "finish_reason": last.finish_reason}
+        for (text, toks, lps, last, prompt_lps), job in zip(results, jobs):
+            body = _choice_body(job, text, toks, lps, chat, True, prompt_lps, True)
+            choice = {"index": job.index}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
+                choice["message"] = {"role": "assistant", "content": body.pop("content")}
+            choice.update(body)
+            choice["finish_reason"] = "length" if job.score_only else last.finish_reason
             choices.append(choice)
             usage["completion_tokens"] += len(toks)
-            if id(ids) not in seen_prompts:  # n copies of one prompt count it once, as OpenAI does
-                seen_prompts.add(id(ids))
-                usage["prompt_tokens"] += len(ids)
+            if id(job.ids) not in seen_prompts:  # n copies of one prompt count it once, as OpenAI does
+                seen_prompts.add(id(job.ids))
+                usage["prompt_tokens"] += len(job.ids)
                 usage["cached_tokens"] += last.num_cached_tokens
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": fe.model_name, "choices": choices, "usage": _usage(usage)}
@@ -297,18 +384,16 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
-    async def _stream(jobs, rid, created, chat, include_usage, route: dict):
+    async def _stream(jobs: list["_Job"], rid, created, chat, include_usage, route: dict):
         queue: asyncio.Queue = asyncio.Queue()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        async def pump(i, ids, params):
+        async def pump(job: _Job):
             try:
-                async for d in _run(ids, params, route):
-                    await queue.put((i, ids, params, d))
+                async for d in _run(job.ids, job.params, route):
+                    await queue.put((job, d))
             except APIError as e:
-                await queue.put((i, ids, params, e))
-            except asyncio.CancelledError:
-                raise
+                await queue.put((job, e))
 
         def chunk(choices, usage=None) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": choices}
@@ -316,34 +401,38 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
-        unique_prompts = {id(ids): ids for _, ids, _ in jobs}.values()  # n copies count once
+        tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
+        unique_prompts = {id(j.ids): j.ids for j in jobs}.values()  # n copies count once
         usage = {"prompt_tokens": sum(len(ids) for ids in unique_prompts), "completion_tokens": 0,
                  "cached_tokens": 0}
         cached_seen: set[int] = set()
+        started: set[int] = set()
         remaining = len(jobs)
         try:
             if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i, _, _ in jobs])
+                yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in jobs])
             while remaining:
-                i, ids, params, d = await queue.get()
+                job, d = await queue.get()
                 if isinstance(d, APIError):
                     remaining -= 1
                     yield f"data: {json.dumps(error_body(d.status, d.message))}\n\n"
                     continue
-                usage["completion_tokens"] += len(d.token_ids)
-                if d.finished and id(ids) not in cached_seen:
-                    cached_seen.add(id(ids))
+                text, toks, lps = _shown(job, d)
+                usage["completion_tokens"] += len(toks)
+                if d.finished and id(job.ids) not in cached_seen:
+                    cached_seen.add(id(job.ids))
                     usage["cached_tokens"] += d.num_cached_tokens
-                lp = (_logprobs_entry(d.logprobs, d.token_ids, chat, params.logprobs or 0)
-                      if params.logprobs is not None and d.token_ids else None)
-                if d.text or d.finished or lp:
-                    c = {"index": i, "logprobs": lp, "finish_reason": d.finish_reason if d.finished else None}
+                first = job.index not in started
+                started.add(job.index)
+                body = _choice_body(job, text, toks, lps, chat, first, d.prompt_logprobs, d.finished)
+                if text or d.finished or body.get("logprobs") or (first and job.echo is not None):
+                    c = {"index": job.index}
                     if chat:
-                        c["delta"] = {"content": d.text} if d.text else {}
-                    else:
-                        c["text"] = d.text
+                        content = body.pop("content")
+                        c["delta"] = {"content": content} if content else {}
+                    c.update(body)
+                    c["finish_reason"] = ("length" if job.score_only else d.finish_reason) if d.finished else None
                     yield chunk([c])
                 if d.finished:
                     remaining -= 1

@@ -58,6 +58,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta, when asked for
 
 
 @dataclass
@@ -283,25 +284,31 @@ class Frontend:
         self.check_capacity()
         params.max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.streams:
+            raise ValueError(f"duplicate request id {rid!r}")
+        wire = dict(vars(params))
+        wire["logit_bias"] = [[t, b] for t, b in params.logit_bias.items()]
+        ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt))  # fails here, before taking anything
         fixed = self.disaggregate if worker is None and isinstance(self.disaggregate, tuple) else None
         auto = worker is None and self.disaggregate == "auto"
         w, decode = self._pick_worker(rid, prompt_ids, params.max_tokens, cache_salt,
                                       fixed[0] if fixed else worker, auto_split=auto)
-        if fixed:
-            decode = fixed[1]
+        # From here on the router holds a placement and (below) the stream a queue slot: every way
+        # out of this generator, an error, a cancel or the end, goes through the finally below.
         st = _Stream(w, RequestState(self.tokenizer, params), asyncio.Queue(), time.monotonic(), len(prompt_ids))
-        if decode is not None and decode != w.name:
-            if not next(x for x in self.workers if x.name == decode).alive:
-                self.router.finished(w.name, rid)
-                raise ServiceUnavailable(f"decode worker {decode} is down")
-            st.decode = next(x for x in self.workers if x.name == decode)
-            st.holder = w
         self.streams[rid] = st
         w.requests.add(rid)
-        wire = {k: v for k, v in vars(params).items()}
-        await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
-                                                      prefill_only=st.decode is not None)))
         try:
+            if fixed:
+                decode = fixed[1]
+            if decode is not None and decode != w.name:
+                st.decode = next(x for x in self.workers if x.name == decode)
+                if not st.decode.alive:
+                    st.done = True
+                    raise ServiceUnavailable(f"decode worker {decode} is down")
+                st.holder = w
+            await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
+                                                          prefill_only=st.decode is not None)))
             while True:
                 item = await st.queue.get()
                 if isinstance(item, Exception):
@@ -414,7 +421,9 @@ class Frontend:
             text=text, token_ids=list(u.new_token_ids),
             logprobs=[{int(t): float(lp) for t, lp in entry} for entry in u.logprobs],
             finished=finished, finish_reason=reason, num_prompt_tokens=st.num_prompt_tokens,
-            num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens))
+            num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens,
+            prompt_logprobs=None if u.prompt_logprobs is None else
+            [{int(t): float(lp) for t, lp in entry} or None for entry in u.prompt_logprobs]))
 
     async def _relay(self, msg: ipc.KVTransfer, raw: bytes) -> None:
         """Forward a prefill worker's KV to the request's decode worker (the same bytes)."""

@@ -88,6 +88,7 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[list[list[float]]] = field(default_factory=list)  # per token: [[token, logprob], ...]
+    prompt_logprobs: list[list[list[float]]] | None = None  # per prompt token, the first one's empty
     num_cached_tokens: int = 0
     queue_time_s: float | None = None  # first scheduled - arrival, sent with the first update
     error: str | None = None  # the worker refused or failed this request

@@ -4,20 +4,53 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 64
+MAX_MESSAGES = 2048  # checked while parsing, before any template or tokenizer work
+
+
+def _check_text(value: Any, where: str = "") -> None:
+    """Lone surrogates ("\ud800" in JSON) are valid JSON but not text: no tokenizer can take them."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{at or 'body'}: the string contains a lone UTF-16 surrogate, which is not text") from None
+        elif isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}" if at else str(k)) for k, x in v.items())
+            stack.extend((k, at) for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        _check_text(data)
+        return data
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# Fields of the OpenAI, vLLM and llama.cpp schemas that constrain the output. They are refused
+# (400) rather than ignored, so a client never believes it got JSON or a tool call it did not.
+_CONSTRAINTS = ("response_format", "tools", "functions", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "grammar", "json_schema")
+
+
+class _Sampling(_Body):
 
     model: str | None = None
     temperature: float | None = None
@@ -40,6 +73,24 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     worker: str | None = None  # hetserve: run on this worker whatever the route policy (cache warming)
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM: top-N log-probabilities of every prompt token
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in _CONSTRAINTS:
+                v = data.get(name)
+                if v is None or (name == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
+                    continue
+                raise ValueError(f"{name} is not supported yet (structured outputs and tool calling are not "
+                                 "implemented); the request was not run")
+            if data.get("tool_choice") not in (None, "none"):
+                raise ValueError("tool_choice is not supported yet (no tool calling); the request was not run")
+            if data.get("stream_options") is not None and not data.get("stream"):
+                raise ValueError("stream_options is only allowed when stream is true")
+        return data
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
         """Raises ValueError (-> 400) for out-of-range values, NaN and infinities."""
@@ -58,8 +109,18 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._bias(),
         )
+
+    def _bias(self) -> dict[int, float]:
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            out[int(k)] = v
+        return out
 
 
 class CompletionRequest(_Sampling):
@@ -67,9 +128,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # Special-token spellings in a raw prompt ("<|im_start|>") are special tokens, as in HF,
+    # vLLM and llama.cpp; false reads them as plain text.
+    parse_special: bool = True
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -78,7 +142,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -86,17 +150,15 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+    parse_special: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]

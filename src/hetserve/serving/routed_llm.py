@@ -36,6 +36,8 @@ class RoutedEngine:
             out.text += d.text
             out.token_ids += d.token_ids
             out.logprobs += d.logprobs
+            if d.prompt_logprobs is not None:
+                out.prompt_logprobs = d.prompt_logprobs
             out.num_cached_tokens = d.num_cached_tokens
             if sink is not None and d.text:
                 sink.put(d.text)

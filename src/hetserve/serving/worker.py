@@ -28,10 +28,15 @@ def _update(req, out, first: bool):
         new_token_ids=out.new_token_ids,
         finished=out.finished,
         finish_reason=out.finish_reason,
-        logprobs=[[[t, lp] for t, lp in d.items()] for d in out.new_logprobs],
+        logprobs=[_pairs(d) for d in out.new_logprobs],
+        prompt_logprobs=None if out.prompt_logprobs is None else [_pairs(d or {}) for d in out.prompt_logprobs],
         num_cached_tokens=req.num_cached_tokens,
         queue_time_s=(m.first_scheduled_time - m.arrival_time) if first and m.first_scheduled_time else None,
     )
+
+
+def _pairs(logprobs: dict[int, float]) -> list[list[float]]:
+    return [[t, lp] for t, lp in logprobs.items()]  # msgpack maps here have string keys
 
 
 def _state(engine) -> ipc.WorkerState:
