@@ -44,9 +44,16 @@ class Server:
                 raise RuntimeError("server did not become healthy")
             time.sleep(0.2)
 
-    def worker_pids(self) -> list[int]:
+    def child_pids(self) -> list[int]:
+        """Every child process: the workers and the tokenizer processes."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]
+
+    def worker_pids(self) -> list[int]:
+        def is_worker(pid: int) -> bool:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"hetserve.serving.worker" in f.read()
+        return [p for p in self.child_pids() if is_worker(p)]
 
     def metric(self, name: str, headers=None) -> float:
         text = httpx.get(self.url + "/metrics", headers=headers or {}).text
@@ -292,7 +299,7 @@ def test_queue_cap_answers_503(tiny_qwen2):
 
 def test_sigterm_drains_and_exits_cleanly(tiny_qwen2):
     s = Server(tiny_qwen2, "--shutdown-timeout", "1", "--kv-cache-memory", "8MiB")
-    workers = s.worker_pids()
+    workers = s.child_pids()
     assert workers
     lines: list[str] = []
 

@@ -80,6 +80,7 @@ def write_tiny_gguf(
     seed: int = 0,
     scale: float = 0.2,
     noise: float = 0.0,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> str:
     """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16.
     noise > 0 adds N(0, noise * scale) to every matrix of the seed's model: a related model (a
@@ -113,7 +114,7 @@ def write_tiny_gguf(
     w.add_eos_token_id(eos)
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(arch == "llama")
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_heads

@@ -90,6 +90,12 @@ class SamplingParams:
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
 
+    def to_wire(self) -> dict:
+        """The fields as plain msgpack values (SamplingParams(**wire) rebuilds them)."""
+        wire = dict(vars(self))
+        wire["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        return wire
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

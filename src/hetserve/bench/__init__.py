@@ -1,7 +1,19 @@
 """Benchmarks under `hetserve bench ...`; they use only public APIs (Python API, CLI, HTTP)."""
 
-from . import (disagg, kv_layout, latency, matmul, prefix_cache, routing, serve, speculative, throughput, tracing,
-               weight_formats)
+from . import (
+               disagg,
+               kv_layout,
+               latency,
+               load,
+               matmul,
+               prefix_cache,
+               routing,
+               serve,
+               speculative,
+               throughput,
+               tracing,
+               weight_formats,
+)
 
-BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, tracing, routing, speculative,
-              weight_formats, disagg)
+BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, load, tracing, routing, speculative,
+               weight_formats, disagg)

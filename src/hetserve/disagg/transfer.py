@@ -94,7 +94,7 @@ def export_request(engine, request_id: str) -> KVExport:
     hashes = engine.scheduler._hashes(req)[:n // ps] if engine.prefix_cache is not None else []
     gen = _raw(req.generator.get_state()) if req.generator is not None else None
     return KVExport(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                    {f.name: getattr(req.params, f.name) for f in dataclasses.fields(req.params)},
+                    req.params.to_wire(),
                     req.cache_salt, n, ps, str(k0.dtype).removeprefix("torch."), len(engine.runner.kv_caches),
                     k0.shape[1], k0.shape[2], ks, vs, list(hashes), gen, req.num_cached_tokens)
 

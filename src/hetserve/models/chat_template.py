@@ -117,9 +117,21 @@ def compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the model's chat template does not compile: {e} (line {e.lineno})") from None
 
 
-def render(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
+# Output budget of one rendering: far above any prompt a context window holds, and it stops a
+# template that loops writing text before it eats the memory. (A template that loops without
+# writing is stopped by its caller's time budget: the server renders in a process it can kill.)
+MAX_RENDER_CHARS = 16 << 20
+
+
+def render(template: jinja2.Template, variables: Mapping[str, Any], max_chars: int = MAX_RENDER_CHARS) -> str:
     try:
-        return template.render(**variables)
+        parts, size = [], 0
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > max_chars:
+                raise ChatTemplateError(f"the chat template's output exceeded {max_chars} characters")
+            parts.append(piece)
+        return "".join(parts)
     except _TemplateRaised as e:
         raise ChatTemplateError(str(e)) from None
     except jinja2.exceptions.SecurityError as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -16,10 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..models.tokenizer import ChatTemplateError
 from ..sampling_params import SamplingParams
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
-from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .http_guard import HttpLimits
+from .protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from .tokenizer_service import TokenizeFailed
 
 log = logging.getLogger("hetserve.api")
 
@@ -28,10 +34,23 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           503: "service_unavailable"}
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its answer: nothing to send, one log line."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+# Characters JSON leaves unescaped but line splitters that follow str.splitlines (httpx's
+# aiter_lines among them) break lines at: escaped, so an SSE event is always one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_data(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -60,45 +79,8 @@ class _Job:
     text_offset: int = 0  # characters of this choice's text so far (logprobs' text_offset)
 
 
-class _LimitsAndAuth:
-    """ASGI middleware: API key on every route but /health (decided on the path, compared in
-    constant time) and a cap on the request body size (413)."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return await error_response(401, "missing or invalid API key (Authorization: Bearer ...)")(
-                    scope, receive, send)
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await error_response(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_body:
-                    raise APIError(413, f"request body over {self.max_body} bytes")
-            return msg
-
-        try:
-            await self.app(scope, limited, send)
-        except APIError as e:
-            await error_response(e.status, e.message)(scope, receive, send)
-
-
 def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: int = 4 << 20,
-              lifespan=None) -> FastAPI:
+              lifespan=None, http_limits: HttpLimits | None = None) -> FastAPI:
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     fe = frontend
 
@@ -119,6 +101,11 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, _):
+        log.info("client left before its answer: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
         log.exception("internal error")
@@ -132,9 +119,13 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     # -- routes -------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        """200 while any worker serves (a dead one only leaves the routing), else 503; the body
+        lists every worker's state."""
+        body = fe.health()
         if fe.healthy:
-            return Response(status_code=200)
-        return error_response(503, "draining" if fe.draining else "a worker is not ready or has died")
+            return JSONResponse(body)
+        body["error"] = error_body(503, "draining" if fe.draining else "no worker is serving")["error"]
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/v1/models")
     async def models():
@@ -146,13 +137,13 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         return Response(fe.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         check_model(body.model)
         if body.messages is not None:
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = await _encode_chat(msgs, body.add_generation_prompt)
+            ids = await _encode_chat(request, msgs, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = await fe.run_blocking(lambda: fe.tokenizer.encode(body.prompt, allow_special=body.parse_special))
+            ids = await _encode(request, body.prompt, body.parse_special)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": fe.max_model_len}
@@ -166,7 +157,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = await _completion_prompts(body.prompt, body.parse_special)
+        prompts = await _completion_prompts(request, body.prompt, body.parse_special)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens: 0 is only meaningful with echo (prompt scoring)", "max_tokens")
         return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
@@ -177,7 +168,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = await _encode_chat(msgs, body.add_generation_prompt)
+        ids = await _encode_chat(request, msgs, body.add_generation_prompt)
         top = body.top_logprobs if body.top_logprobs is not None else (0 if body.logprobs else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
@@ -191,13 +182,33 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab - 1}]", param)
 
-    async def _encode_chat(msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def _watched(request: Request, work):
+        """Await tokenizer work, dropping it as soon as the client is gone (a queued job then never
+        runs: abandoned requests must not hold the tokenizer for the ones still waiting)."""
+        task = asyncio.ensure_future(work)
         try:
-            return await fe.run_blocking(lambda: fe.tokenizer.encode_chat(msgs, add_generation_prompt=add_generation_prompt))
-        except (ChatTemplateError, ValueError) as e:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone()
+        finally:
+            task.cancel()
+
+    async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return await _watched(request, fe.encode_chat(msgs, add_generation_prompt))
+        except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
-    async def _completion_prompts(prompt, parse_special: bool) -> list[list[int]]:
+    async def _encode(request: Request, text: str, parse_special: bool, param: str = "prompt") -> list[int]:
+        try:
+            return await _watched(request, fe.encode(text, parse_special))
+        except (TokenizeFailed, ValueError) as e:
+            raise APIError(400, str(e), param) from None
+
+    async def _completion_prompts(request: Request, prompt, parse_special: bool) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -208,8 +219,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
         out = []
         for p in prompt:
-            ids = (await fe.run_blocking(lambda: fe.tokenizer.encode(p, allow_special=parse_special))
-                   if isinstance(p, str) else list(p))
+            ids = await _encode(request, p, parse_special) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             _check_ids(ids, "prompt")
@@ -269,9 +279,16 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
+        def top_with(lps: dict[int, float] | None, tok: int):
+            if lps is None:
+                return None
+            out = dict(top(lps, n + 1))
+            out[piece(tok)] = lps[tok]  # two tokens may print alike; the sampled one's value is shown
+            return out
+
         return {"tokens": tokens,
                 "token_logprobs": [None if lps is None else lps.get(t) for t, lps in zip(token_ids, delta_logprobs)],
-                "top_logprobs": [None if lps is None else dict(top(lps, n + 1)) for lps in delta_logprobs],
+                "top_logprobs": [top_with(lps, t) for t, lps in zip(token_ids, delta_logprobs)],
                 "text_offset": offsets}
 
     def _prompt_logprobs(entries: list[dict[int, float] | None] | None, ids: list[int], n: int):
@@ -343,9 +360,13 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
 
         tasks = [asyncio.ensure_future(one(j)) for j in jobs]
 
+        gone = False
+
         async def watch():  # a client that goes away cancels the work
+            nonlocal gone
             while True:
                 if await request.is_disconnected():
+                    gone = True
                     for t in tasks:
                         t.cancel()
                     return
@@ -358,6 +379,8 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if gone:
+                raise ClientGone() from None
             raise
         finally:
             watcher.cancel()
@@ -399,7 +422,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             body = {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": choices}
             if usage is not None:
                 body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return sse_data(body)
 
         tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
         unique_prompts = {id(j.ids): j.ids for j in jobs}.values()  # n copies count once
@@ -416,7 +439,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 job, d = await queue.get()
                 if isinstance(d, APIError):
                     remaining -= 1
-                    yield f"data: {json.dumps(error_body(d.status, d.message))}\n\n"
+                    yield sse_data(error_body(d.status, d.message))
                     continue
                 text, toks, lps = _shown(job, d)
                 usage["completion_tokens"] += len(toks)
@@ -434,6 +457,10 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                     c.update(body)
                     c["finish_reason"] = ("length" if job.score_only else d.finish_reason) if d.finished else None
                     yield chunk([c])
+                    # One loop pass per chunk: a client that left is then seen (its transport's
+                    # connection_lost runs) before the next write, instead of after a burst of
+                    # writes to a dead socket that asyncio logs one warning each.
+                    await asyncio.sleep(0)
                 if d.finished:
                     remaining -= 1
             if include_usage:
@@ -444,5 +471,8 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    app.add_middleware(_LimitsAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
+    from .responses import add_responses_routes  # here, not at the top: responses imports this module
+
+    add_responses_routes(app, fe)
+    (http_limits or HttpLimits()).install(app, api_key, max_body_bytes)  # auth, body cap, CORS, origins
     return app

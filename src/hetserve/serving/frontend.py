@@ -34,6 +34,7 @@ from . import ipc
 from .devices import WorkerSpec, parse_devices
 from .metrics import Metrics
 from .router import NoWorker, Profile, Router, WorkerView, choose_split
+from .tokenizer_service import TokenizeBudgetExceeded, TokenizeFailed, TokenizerPool
 
 log = logging.getLogger("hetserve.frontend")
 
@@ -88,6 +89,12 @@ class WorkerHandle:
     state: ipc.WorkerState | None = None
     alive: bool = False
     requests: set[str] = field(default_factory=set)
+    last_seen: float = 0.0  # monotonic time of its last message (heartbeats included)
+    dead: str | None = None  # why it left the routing
+
+    @property
+    def status(self) -> str:
+        return "dead" if self.dead else "up" if self.alive else "loading"
 
 
 def parse_disaggregate(value: str | None, workers: list[str]) -> tuple[str, str] | str | None:
@@ -111,7 +118,8 @@ class Frontend:
                  dtype: str = "float32", max_queued_requests: int = 256, startup_timeout: float = 600.0,
                  route_policy: str | None = None, route_log: str | None = None,
                  profiles: list[dict] | None = None, measure_profiles: bool = True,
-                 disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9):
+                 disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9,
+                 tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
         else counts as fast as the others (the cost policy then balances work only)."""
@@ -141,22 +149,33 @@ class Frontend:
         self._route_log = open(route_log, "a", buffering=1) if route_log else None
         self.max_queued_requests = max_queued_requests
         self.startup_timeout = startup_timeout
+        self.worker_timeout = worker_timeout
         self.metrics = Metrics()
         self.workers: list[WorkerHandle] = []
         self.streams: dict[str, _Stream] = {}
         self.draining = False
         self._ids = itertools.count()
-        # Tokenization and template rendering run here, off the event loop; one thread keeps the
-        # API process from competing with the engine for cores.
+        # Small decodes (a logprob's token, a prompt to echo) run on one thread off the event loop;
+        # encoding and template rendering run in tokenizer processes with a time budget.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Future] = set()
         self._dir = ipc.private_socket_dir()
+        self.tokenizers = TokenizerPool(self.model_path, self._dir, tokenizer_processes, tokenize_timeout)
+        self.template_error: str | None = None  # the model's template failed its load-time check
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        await self.tokenizers.start()
+        try:  # one bounded rendering at load: a template that never ends is known before any request
+            await self.tokenizers.call("check_template")
+        except TokenizeBudgetExceeded as e:
+            self.template_error = f"the model's chat template failed its load-time check: {e}"
+            log.error("%s; chat requests will be refused", self.template_error)
+        except TokenizeFailed as e:  # e.g. a template that refuses system turns: chats may still work
+            log.warning("the model's chat template did not render a probe conversation: %s", e)
         self._inbox.bind(f"ipc://{self._dir}/out")
         for i, ws in enumerate(self.specs):
             spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
@@ -210,6 +229,8 @@ class Frontend:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the workers, wait for them (kill if they hang)."""
+        for t in self._tasks[1:]:  # the monitor: workers exiting now are not deaths
+            t.cancel()
         for rid in list(self.streams):
             self._fail(rid, "the server is shutting down")
         for w in self.workers:
@@ -228,12 +249,24 @@ class Frontend:
         if self._route_log:
             self._route_log.close()
         self._ctx.destroy(linger=0)
+        self.tokenizers.shutdown()
         self._pool.shutdown(wait=False)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- requests -------------------------------------------------------------------------------
     async def run_blocking(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """TokenizeFailed (a 400) for bad input or an overrun budget."""
+        return await self.tokenizers.call("encode", text=text, allow_special=allow_special)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
+        if self.template_error:
+            raise TokenizeFailed(self.template_error)
+        return await self.tokenizers.call("encode_chat", messages=messages,
+                                          add_generation_prompt=add_generation_prompt, tools=tools)
 
     def check_capacity(self) -> None:
         if not self.healthy:
@@ -286,8 +319,7 @@ class Frontend:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"duplicate request id {rid!r}")
-        wire = dict(vars(params))
-        wire["logit_bias"] = [[t, b] for t, b in params.logit_bias.items()]
+        wire = params.to_wire()
         ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt))  # fails here, before taking anything
         fixed = self.disaggregate if worker is None and isinstance(self.disaggregate, tuple) else None
         auto = worker is None and self.disaggregate == "auto"
@@ -317,9 +349,11 @@ class Frontend:
                 if item.finished:
                     return
         finally:
-            if not st.done:  # cancelled or failed on our side: stop the work in the worker now
-                await self._abort(rid, stopped=False)
-            self._forget(rid)
+            try:
+                if not st.done:  # cancelled or failed on our side: stop the work in the worker now
+                    await self._abort(rid, stopped=False)
+            finally:
+                self._forget(rid)
 
     async def _abort(self, rid: str, stopped: bool) -> None:
         st = self.streams.get(rid)
@@ -362,36 +396,54 @@ class Frontend:
 
     # -- worker messages -------------------------------------------------------------------------
     async def _output_loop(self) -> None:
+        """Every frame is validated against the messages a worker may send; one that does not
+        validate, or that names no live worker, is dropped and logged, and nothing it carries can
+        stop this loop."""
         while True:
             raw = await self._inbox.recv()
             try:
-                msg = ipc.decode(raw)
+                msg = ipc.decode(raw, ipc.TO_FRONTEND)
+                w = next((w for w in self.workers if w.name == msg.worker), None)
+                if w is None or w.dead:
+                    raise ipc.IPCError(f"{type(msg).__name__} from {'unknown' if w is None else 'dead'} "
+                                       f"worker {msg.worker!r}")
+                if isinstance(msg, ipc.Ready) and w.ready is not None:
+                    raise ipc.IPCError(f"a second Ready from worker {w.name}")
+                if not isinstance(msg, ipc.Ready) and w.ready is None:
+                    if isinstance(msg, ipc.Heartbeat):  # beats start before the model is loaded
+                        w.last_seen = time.monotonic()
+                        continue
+                    raise ipc.IPCError(f"{type(msg).__name__} from worker {w.name} before its Ready")
+                w.last_seen = time.monotonic()
+                await self._handle(w, msg, raw)
             except ipc.IPCError as e:
-                log.error("bad message from a worker: %s", e)
-                continue
-            if isinstance(msg, ipc.KVTransfer):
-                await self._relay(msg, raw)
-                continue
-            if isinstance(msg, ipc.TransferAck):
-                await self._acked(msg)
-                continue
-            if isinstance(msg, ipc.Ready):
-                w = next(w for w in self.workers if w.name == msg.worker)
-                w.ready, w.alive = msg, True
-                continue
-            w = next((w for w in self.workers if w.name == msg.worker), None)
-            if w is None:
-                continue
-            w.state = s = msg.state
-            self.metrics.worker_state(w.name, s)
-            if self.router is not None:
-                self.router.view(w.name).apply_state(s.queued_ids, s.running_prefill, s.published, s.evicted)
-            for u in msg.updates:
-                self._apply(w, u)
+                log.error("dropped a message on the worker socket: %s", e)
+            except Exception:
+                log.exception("a worker message could not be applied; dropped")
+
+    async def _handle(self, w: WorkerHandle, msg, raw: bytes) -> None:
+        if isinstance(msg, ipc.Heartbeat):
+            return
+        if isinstance(msg, ipc.KVTransfer):
+            await self._relay(msg, raw)
+            return
+        if isinstance(msg, ipc.TransferAck):
+            await self._acked(msg)
+            return
+        if isinstance(msg, ipc.Ready):
+            w.ready, w.alive = msg, True
+            self.metrics.worker_up(w.name, True)
+            return
+        w.state = s = msg.state  # Outputs
+        self.metrics.worker_state(w.name, s)
+        if self.router is not None:
+            self.router.view(w.name).apply_state(s.queued_ids, s.running_prefill, s.published, s.evicted)
+        for u in msg.updates:
+            self._apply(w, u)
 
     def _apply(self, w: WorkerHandle, u: ipc.RequestUpdate) -> None:
         st = self.streams.get(u.request_id)
-        if st is None or st.done:
+        if st is None or st.done or st.worker is not w:  # only the worker running it speaks for it
             return
         if u.error is not None:
             st.done = True
@@ -467,13 +519,38 @@ class Frontend:
                 "bytes": nbytes, "transfer_s": round(seconds, 6), "import_s": round(msg.import_s, 6)}) + "\n")
 
     async def _monitor(self) -> None:
-        """A worker that dies: its requests end promptly with an error, /health turns 503."""
+        """A worker that exits, or goes silent for worker_timeout seconds (stopped, hung): its
+        requests end promptly with an error, it leaves the routing, /health and /metrics say so."""
         while True:
+            now = time.monotonic()
             for w in self.workers:
-                if w.alive and w.proc.poll() is not None:
-                    w.alive = False
-                    self.router.view(w.name).alive = False
-                    log.error("worker %s died (exit code %s)", w.name, w.proc.returncode)
-                    for rid in list(w.requests):
-                        self._fail(rid, f"worker {w.name} died")
+                if not w.alive:
+                    continue
+                if w.proc.poll() is not None:
+                    self._worker_died(w, f"worker {w.name} died (exit code {w.proc.returncode})")
+                elif now - w.last_seen > self.worker_timeout:
+                    self._worker_died(w, f"worker {w.name} stopped responding (no heartbeat for "
+                                         f"{now - w.last_seen:.0f} s)")
+                    w.proc.kill()  # a stopped process that resumed would speak for requests it no longer has
             await asyncio.sleep(0.1)
+
+    def _worker_died(self, w: WorkerHandle, reason: str) -> None:
+        w.alive, w.dead = False, reason
+        self.router.view(w.name).alive = False
+        self.metrics.worker_down(w.name)
+        log.error("%s", reason)
+        for rid in list(w.requests):
+            self._fail(rid, reason)
+
+    def health(self) -> dict:
+        """/health's body: the server's state and each worker's."""
+        status = "draining" if self.draining else "ok" if self.healthy else "unavailable"
+        workers = []
+        for w in self.workers:
+            s = w.state if w.alive else None
+            workers.append({"name": w.name, "device": w.spec.spec, "state": w.status,
+                            **({"reason": w.dead} if w.dead else {}),
+                            "running": s.running if s else 0, "waiting": s.waiting if s else 0,
+                            "kv_pages_used": s.pages_used if s else 0,
+                            "kv_pages_total": w.ready.num_pages if w.ready else 0})
+        return {"status": status, "workers": workers}

@@ -2,8 +2,9 @@
 
 Each message is a dataclass; on the wire it is a msgpack map with a "type" field naming
 the class and only plain values (ints, floats, strings, lists, maps). Decoding checks the
-type name against this module's registry and the fields against the dataclass, so a
-malformed or unknown message is an error, not code execution.
+type name against the receiver's set of message types (each direction has its own), the
+field names and every field's value against the dataclass's annotations, so a malformed,
+unknown or misdirected message is an error, not code execution or a wedged loop.
 
 Sockets live in a private directory (0700) as Unix domain sockets, so only this user
 can connect.
@@ -12,8 +13,11 @@ can connect.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +133,48 @@ class Outputs:
     state: WorkerState
 
 
-MESSAGES = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, Ready, Outputs, KVTransfer, TransferAck)}
+@dataclass
+class Heartbeat:
+    """Sent by a worker's own thread every second, whatever its engine is doing: a worker that
+    stops sending (stopped, hung, on a lost node) is declared dead after --worker-timeout."""
+
+    worker: str
+
+
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, Ready, Outputs, KVTransfer, TransferAck,
+                                          Heartbeat)}
+TO_WORKER = frozenset({AddRequest, Abort, Shutdown, KVTransfer})
+TO_FRONTEND = frozenset({Ready, Outputs, KVTransfer, TransferAck, Heartbeat})
 _NESTED = {"updates": RequestUpdate, "state": WorkerState, "export": KVExport}
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value, hint) -> bool:
+    """Does a decoded value match a field annotation (plain types, unions, list/dict of them)?"""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if origin is dict or hint is dict:
+        key, val = typing.get_args(hint) or (Any, Any)
+        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, val) for k, v in value.items())
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
+    return isinstance(value, hint)
 
 
 def encode(msg) -> bytes:
@@ -147,10 +191,13 @@ def _build(cls, data: dict):
     if unknown:
         raise IPCError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     kwargs = {}
+    hints = _hints(cls)
     for k, v in data.items():
         nested = _NESTED.get(k)
         if nested is not None:
             v = [_build(nested, x) for x in v] if isinstance(v, list) else _build(nested, v)
+        if not _fits(v, hints[k]):
+            raise IPCError(f"{cls.__name__}.{k}: {type(v).__name__} does not fit {hints[k]}")
         kwargs[k] = v
     try:
         return cls(**kwargs)
@@ -158,7 +205,8 @@ def _build(cls, data: dict):
         raise IPCError(f"{cls.__name__}: {e}") from None
 
 
-def decode(raw: bytes):
+def decode(raw: bytes, accept: frozenset = frozenset(MESSAGES.values())):
+    """The message in `raw`, which must be one of the `accept` types (the receiver's direction)."""
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several exception types on bad input
@@ -166,6 +214,8 @@ def decode(raw: bytes):
     if not isinstance(data, dict) or data.get("type") not in MESSAGES:
         raise IPCError(f"unknown message type: {data.get('type') if isinstance(data, dict) else type(data)}")
     cls = MESSAGES[data.pop("type")]
+    if cls not in accept:
+        raise IPCError(f"{cls.__name__} is not a message this side receives")
     return _build(cls, data)
 
 

@@ -21,6 +21,8 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self._queue = Histogram("hetserve:request_queue_time_seconds", "Arrival to first scheduled step", label,
                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self._up = Gauge("hetserve:worker_up", "1 while the worker serves, 0 once it died or went silent", label,
+                         registry=r)
         self._running = Gauge("hetserve:num_requests_running", "Requests running", label, registry=r)
         self._waiting = Gauge("hetserve:num_requests_waiting", "Requests waiting", label, registry=r)
         self._pages_used = Gauge("hetserve:kv_pages_used", "KV pages referenced by requests", label, registry=r)
@@ -53,6 +55,15 @@ class Metrics:
     def kv_transfer(self, prefill: str, decode: str, seconds: float, nbytes: int) -> None:
         self._kv_s.labels(prefill, decode).observe(seconds)
         self._kv_bytes.labels(prefill, decode).inc(nbytes)
+
+    def worker_up(self, worker: str, up: bool) -> None:
+        self._up.labels(worker).set(1 if up else 0)
+
+    def worker_down(self, worker: str) -> None:
+        """A dead worker runs nothing and holds no pages: its gauges go to zero, not stay at their last values."""
+        self.worker_up(worker, False)
+        for g in (self._running, self._waiting, self._pages_used):
+            g.labels(worker).set(0)
 
     def worker_state(self, worker: str, st: ipc.WorkerState) -> None:
         self._running.labels(worker).set(st.running)

@@ -22,7 +22,7 @@ def _check_text(value: Any, where: str = "") -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"{at or 'body'}: the string contains a lone UTF-16 surrogate, which is not text") from None
+                raise ValueError(f"{at or 'body'}: the string contains a lone UTF-16 surrogate (not text)") from None
         elif isinstance(v, dict):
             stack.extend((x, f"{at}.{k}" if at else str(k)) for k, x in v.items())
             stack.extend((k, at) for k in v if isinstance(k, str))

@@ -31,6 +31,7 @@ class _DrainOnSignal:
         self.frontend = frontend
         self.shutdown_timeout = shutdown_timeout
         self._draining_task = None
+        self.exit_deadline: float | None = None
 
     def handle_exit(self, sig, frame) -> None:
         if self.frontend.draining or self._draining_task is not None:
@@ -40,7 +41,10 @@ class _DrainOnSignal:
         self._draining_task = loop.create_task(self._drain())
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.shutdown_timeout
+        # The whole exit fits in --shutdown-timeout: requests get it less a reserve for what comes
+        # after them (final error events, uvicorn's graceful close, stopping the workers).
+        self.exit_deadline = time.monotonic() + self.shutdown_timeout
+        deadline = self.exit_deadline - min(3.0, self.shutdown_timeout / 2)
         while self.frontend.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self.frontend.streams):
@@ -55,6 +59,7 @@ def run(args) -> int:
     from ..cli import engine_kwargs
     from .api_server import build_app
     from .frontend import Frontend
+    from .http_guard import HttpLimits
 
     kw = engine_kwargs(args)
     devices = kw.pop("device") or ["cpu"]
@@ -67,7 +72,8 @@ def run(args) -> int:
     frontend = Frontend(args.model, kw, devices=devices, dtype=dtype, max_queued_requests=args.max_queued_requests,
                         route_policy=args.route_policy, route_log=args.route_log, profiles=profiles,
                         measure_profiles=args.startup_profile, disaggregate=args.disaggregate,
-                        transfer_bytes_per_s=args.kv_transfer_rate)
+                        transfer_bytes_per_s=args.kv_transfer_rate, tokenizer_processes=args.tokenizer_processes,
+                        tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -80,12 +86,15 @@ def run(args) -> int:
                 print(f"hetserve: worker {name} ({prof['device']}): prefill tok/s {{{rates(prof['prefill'])}}}, "
                       f"decode tok/s by batch {{{rates(prof['decode'])}}}", file=sys.stderr, flush=True)
         yield
-        await frontend.shutdown()
+        end = server.exit_deadline
+        await frontend.shutdown(timeout=10.0 if end is None else max(0.5, end - time.monotonic() - 0.2))
 
-    app = build_app(frontend, api_key=api_key, max_body_bytes=args.max_body_bytes, lifespan=lifespan)
+    limits = HttpLimits.from_args(args)
+    app = build_app(frontend, api_key=api_key, max_body_bytes=args.max_body_bytes, lifespan=lifespan,
+                    http_limits=limits)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, **limits.uvicorn_kwargs())
     server = _server_class()(config, frontend, args.shutdown_timeout)
     server.run()
     return 0
@@ -99,8 +108,26 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set HETSERVE_API_KEY)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="beyond this many waiting requests: 503")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                   help="web origins (scheme://host:port, or *) whose pages may call the server (CORS); requests "
+                        "from other origins get 403 (default: none, only pages served by this server)")
+    p.add_argument("--max-headers", type=int, default=100, help="requests with more header fields get 431")
+    p.add_argument("--max-header-bytes", type=int, default=32 << 10, help="larger request heads get 431")
+    p.add_argument("--http-header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's head, from connecting or from the "
+                        "previous response (then 408 and close)")
+    p.add_argument("--http-body-timeout", type=float, default=30.0,
+                   help="seconds from a request's head to the end of its body (then 408 and close)")
+    p.add_argument("--max-connections-per-client", type=int, default=128,
+                   help="connections from one IP address beyond this get 503 and are closed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+                   help="on SIGTERM, seconds until the server has exited (requests in flight get most of it)")
+    p.add_argument("--tokenizer-processes", type=int, default=2,
+                   help="processes that tokenize and render chat templates, off the event loop")
+    p.add_argument("--tokenize-timeout", type=float, default=10.0,
+                   help="seconds one tokenization or template rendering may take (then 400, process restarted)")
+    p.add_argument("--worker-timeout", type=float, default=15.0,
+                   help="a worker silent for this long (no heartbeat) is declared dead: its requests fail (503)")
     r = p.add_argument_group("routing (several --inference-device values)")
     r.add_argument("--route-policy", default=None,
                    help="cost (default with several workers), round-robin, least-loaded or force:<worker> "

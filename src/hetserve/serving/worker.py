@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import zmq
@@ -58,6 +59,20 @@ def _flat_spec(stats: dict) -> dict[str, float]:
     return {**stats, **{f"k_{k}": n for k, n in hist.items()}}
 
 
+HEARTBEAT_S = 1.0
+
+
+def _heartbeat(ctx: zmq.Context, address: str, name: str) -> None:
+    """From its own thread and socket, so a long step or model load never delays it."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    beat = ipc.encode(ipc.Heartbeat(name))
+    while True:
+        sock.send(beat)
+        time.sleep(HEARTBEAT_S)
+
+
 def serve(spec: dict) -> int:
     import torch
 
@@ -76,6 +91,7 @@ def serve(spec: dict) -> int:
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(spec["from_worker"])
     outbox.setsockopt(zmq.LINGER, 2000)
+    threading.Thread(target=_heartbeat, args=(ctx, spec["from_worker"], name), daemon=True).start()
 
     loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
                          **spec["engine"])
@@ -129,7 +145,7 @@ def serve(spec: dict) -> int:
         while inbox in events:
             changed = True
             try:
-                msg = ipc.decode(inbox.recv())
+                msg = ipc.decode(inbox.recv(), ipc.TO_WORKER)
             except ipc.IPCError as e:
                 log.error("worker %s: dropped a bad message: %s", name, e)
                 msg = None

@@ -1,0 +1,332 @@
+"""The server under faults and hostile input: every failed request releases what it took, silent
+workers are declared dead, bad frames on the private socket are dropped, runaway chat templates
+and huge prompts cannot stall the others, and the exit keeps --shutdown-timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+from test_server import Server, kill_when_running, worker_pid
+from tiny_model import CHATML_TEMPLATE, write_tiny_gguf
+
+from hetserve.sampling_params import SamplingParams
+from hetserve.serving.frontend import Frontend, ServiceUnavailable
+
+SPIN = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def chat(url: str, content: str, timeout: float = 30) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout,
+                      json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 2, **body}, timeout=30)
+
+
+def test_every_way_out_of_generate_releases_the_request(tiny_qwen2):
+    """Placement in the router and the stream's queue slot are given back whether the request
+    fails before the worker hears of it, is cancelled, or ends."""
+    async def main():
+        fe = Frontend(tiny_qwen2, {"kv_cache_memory": "8MiB"}, devices=["cpu"], max_queued_requests=1)
+        await fe.start()
+        w = fe.workers[0]
+
+        def clean():
+            return not fe.streams and not w.requests and not fe.router.view(w.name).requests
+
+        try:
+            send, calls = w.socket.send, 0
+
+            async def failing_send(frame):
+                nonlocal calls
+                calls += 1
+                raise RuntimeError("socket gone")
+
+            w.socket.send = failing_send
+            for _ in range(3):  # over the queue cap of 1 if a slot leaked
+                with pytest.raises(RuntimeError):
+                    [d async for d in fe.generate([1, 2, 3], SamplingParams(max_tokens=2))]
+                assert clean()
+            w.socket.send = send
+            assert calls >= 3
+
+            with pytest.raises(ValueError):  # a pin to no worker: refused before any placement
+                [d async for d in fe.generate([1, 2], SamplingParams(max_tokens=2), worker="nope")]
+            assert clean()
+
+            gen = fe.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+            await gen.__anext__()
+            assert not clean()  # it holds its placement...
+            await gen.aclose()  # ...until its consumer goes away
+            assert clean()
+
+            fe.max_queued_requests = 0
+            with pytest.raises(ServiceUnavailable, match="too many queued"):
+                await fe.generate([4], SamplingParams(max_tokens=2)).__anext__()
+            assert clean()
+            fe.max_queued_requests = 1
+
+            out = [d async for d in fe.generate([1, 2, 3], SamplingParams(max_tokens=3))]
+            assert out[-1].finished and clean()
+        finally:
+            await fe.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_requests_leave_the_queue_and_shutdown_clean(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--max-queued-requests", "2", "--shutdown-timeout", "20")
+    try:
+        bad = [{"seed": 2**64}, {"top_k": 2**70}, {"stop_token_ids": [2**64]}, {"worker": "nope"},
+               {"logit_bias": {"100000": 1}}, {"max_tokens": 10**6}, {"prompt": [1, 10**6]}]
+        for body in bad * 2:
+            r = complete(s.url, **body)
+            assert 400 <= r.status_code < 500 and "Traceback" not in r.text, (body, r.text)
+        for _ in range(3):
+            assert complete(s.url).status_code == 200
+        assert s.metric("hetserve:num_requests_waiting") == 0
+        t = time.monotonic()
+    finally:
+        assert s.stop() == 0
+    assert time.monotonic() - t < 8  # nothing left registered for the drain to wait for
+
+
+def test_silent_worker_fails_its_requests_and_leaves_routing(tiny_qwen2):
+    s = Server(tiny_qwen2, "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1",
+               "--kv-cache-memory", "8MiB", "--worker-timeout", "3", "--no-startup-profile")
+    try:
+        health = httpx.get(s.url + "/health").json()
+        assert health["status"] == "ok" and [w["state"] for w in health["workers"]] == ["up", "up"]
+        assert s.metric('hetserve:worker_up') == 2
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True, "worker": "cpu1"}
+
+                async def stream():
+                    async with c.stream("POST", s.url + "/v1/completions", json=body) as r:
+                        return [line async for line in r.aiter_lines() if line.startswith("data:")]
+
+                task = asyncio.ensure_future(stream())
+                running = 'hetserve:num_requests_running{worker="cpu1"} 1.0'
+                for _ in range(1000):
+                    await asyncio.sleep(0.005)
+                    if running in (await c.get(s.url + "/metrics")).text:
+                        break
+                os.kill(worker_pid(s, "cpu1"), signal.SIGSTOP)
+                t = time.monotonic()
+                lines = await task
+                return lines, time.monotonic() - t
+
+        lines, waited = asyncio.run(main())
+        assert "stopped responding" in lines[-2] and lines[-1] == "data: [DONE]"
+        assert waited < 3 + 3  # the deadline plus a heartbeat period and the monitor's tick
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 200  # cpu0 still serves
+        cpu1 = health.json()["workers"][1]
+        assert cpu1["state"] == "dead" and "stopped responding" in cpu1["reason"]
+        assert s.metric('hetserve:worker_up{worker="cpu1"}') == 0
+        assert s.metric('hetserve:num_requests_running{worker="cpu1"}') == 0
+        assert s.metric('hetserve:kv_pages_used{worker="cpu1"}') == 0
+        for _ in range(3):
+            assert complete(s.url).status_code == 200  # routed to cpu0
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_dead_worker_shows_in_health_and_metrics(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB")
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                task = asyncio.ensure_future(c.post(s.url + "/v1/completions", json={
+                    "prompt": "long", "max_tokens": 500, "ignore_eos": True}))
+                await kill_when_running(c, s, "cpu")
+                return await task
+
+        r = asyncio.run(main())
+        assert r.status_code == 503 and r.headers["retry-after"]
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 and h.json()["workers"][0]["state"] == "dead"
+        assert h.json()["error"]["type"] == "service_unavailable"
+        assert s.metric("hetserve:worker_up") == 0 and s.metric("hetserve:num_requests_running") == 0
+    finally:
+        s.stop()
+
+
+def test_bad_frames_on_the_private_socket_are_dropped(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB")
+    try:
+        with open(f"/proc/{worker_pid(s, 'cpu')}/cmdline", "rb") as f:
+            inbox = json.loads(f.read().split(b"\0")[3])["from_worker"]
+        directory = os.path.dirname(inbox.removeprefix("ipc://"))
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(inbox)
+        state = {"running": 0, "waiting": 0, "pages_used": 0, "pages_total": 1, "preemptions": 0}
+        frames = [
+            {"type": "Shutdown"},  # a message for workers, sent the wrong way
+            {"type": "Abort", "request_id": "x"},
+            {"type": "Ready", "worker": "intruder", "pid": 1, "vocab_size": 1, "max_model_len": 1,
+             "num_pages": 1, "page_size": 1},
+            {"type": "Ready", "worker": "cpu", "pid": 1, "vocab_size": 1, "max_model_len": 1, "num_pages": 1,
+             "page_size": 1},  # a second Ready for a known worker
+            {"type": "Outputs", "worker": "cpu", "updates": [], "state": {**state, "running": "x"}},
+            {"type": "Outputs", "worker": "cpu", "updates": [{"request_id": 5, "new_token_ids": "abc"}],
+             "state": state},
+            {"type": "Heartbeat", "worker": ["cpu"]},
+        ]
+        for frame in frames:
+            sock.send(msgpack.packb(frame))
+        sock.close(linger=1000)
+        ctx.term()
+        time.sleep(0.5)
+        for _ in range(3):
+            r = complete(s.url)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(s.url + "/health").json()["workers"][0]["kv_pages_total"] > 1  # the first Ready stands
+    finally:
+        assert s.stop() == 0
+    log = s.proc.stdout.read()
+    assert log.count("dropped a message on the worker socket") == len(frames)
+
+
+@pytest.fixture(scope="module")
+def spinning_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("templates")
+    on_request = "{% if messages[-1]['content'] == 'spin' %}" + SPIN + "{% endif %}" + CHATML_TEMPLATE
+    return (write_tiny_gguf(d / "spin-on-request.gguf", "qwen2", chat_template=on_request),
+            write_tiny_gguf(d / "spin-always.gguf", "qwen2", chat_template=SPIN + CHATML_TEMPLATE))
+
+
+def test_a_runaway_template_gets_a_400_and_blocks_nobody(spinning_models):
+    s = Server(spinning_models[0], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "4",
+               "--shutdown-timeout", "5")
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60, base_url=s.url) as c:
+                body = {"messages": [{"role": "user", "content": "spin"}], "max_tokens": 2}
+                spin = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+                await asyncio.sleep(0.3)
+                others = await asyncio.gather(
+                    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+                    c.post("/tokenize", json={"prompt": "hi"}),
+                    c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2}))
+                return others, spin.done(), await spin
+
+        others, spin_was_done, spin = asyncio.run(main())
+        assert spin.status_code == 400 and "budget of 4 s" in spin.json()["error"]["message"]
+        assert [r.status_code for r in others] == [200, 200, 200] and not spin_was_done  # nobody waited for it
+        assert chat(s.url, "hello").status_code == 200  # the killed process was replaced
+        assert chat(s.url, "spin").status_code == 400
+        t = time.monotonic()
+    finally:
+        assert s.stop() == 0
+    assert time.monotonic() - t < 5 + 1
+
+
+def test_a_template_that_never_ends_is_caught_at_load(spinning_models):
+    s = Server(spinning_models[1], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "1")
+    try:
+        r = chat(s.url, "hi", timeout=5)
+        assert r.status_code == 400 and "load-time check" in r.json()["error"]["message"]
+        assert complete(s.url).status_code == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_abandoned_requests_do_not_hold_the_tokenizer(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--tokenizer-processes", "1")
+    big = "def add(a, b): return a + b\n" * 40000  # about 1 MB: tokenizing it takes a while
+    try:
+        t = time.monotonic()
+        assert httpx.post(s.url + "/tokenize", json={"prompt": big}, timeout=60).status_code == 200
+        one = time.monotonic() - t
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url) as c:
+                async def abandon():
+                    try:
+                        await c.post("/v1/completions", json={"prompt": big, "max_tokens": 2}, timeout=0.05)
+                    except httpx.TimeoutException:
+                        pass
+                await asyncio.gather(*(abandon() for _ in range(30)))
+                await asyncio.sleep(0.5)  # their handlers notice the disconnects
+                t = time.monotonic()
+                r = await c.post("/tokenize", json={"prompt": "hi"}, timeout=60)
+                return r, time.monotonic() - t
+
+        r, waited = asyncio.run(main())
+        assert r.status_code == 200
+        assert waited < one + 1.0, (waited, one)  # behind at most the one job already running, not 30
+    finally:
+        assert s.stop() == 0
+
+
+def test_health_answers_while_a_huge_prompt_is_refused(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB")
+    huge = "\n" * (1 << 20) + "\u0301" * (1 << 19)  # 1 M newlines and half a million combining marks: 3 MB
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                body = json.dumps({"prompt": huge, "max_tokens": 2}, ensure_ascii=False).encode()
+                task = asyncio.ensure_future(c.post("/v1/completions", content=body,
+                                                    headers={"content-type": "application/json"}))
+                worst = 0.0
+                while not task.done():
+                    t = time.monotonic()
+                    assert (await c.get("/health")).status_code == 200
+                    worst = max(worst, time.monotonic() - t)
+                    await asyncio.sleep(0.02)
+                return await task, worst
+
+        r, worst = asyncio.run(main())
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        assert worst < 0.1, worst
+    finally:
+        assert s.stop() == 0
+
+
+def test_client_disconnects_log_one_line_and_shutdown_keeps_its_promise(tiny_qwen2):
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--shutdown-timeout", "4")
+    try:
+        for _ in range(3):  # non-streaming clients that give up mid-generation
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(s.url + "/v1/completions", timeout=0.3,
+                           json={"prompt": "long", "max_tokens": 500, "ignore_eos": True})
+
+        async def load():  # enough queued work to outlast the timeout
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40)),
+                                            return_exceptions=True)
+
+        async def main():
+            task = asyncio.ensure_future(load())
+            await asyncio.sleep(1.0)
+            t = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            while s.proc.poll() is None:
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - t
+            await task
+            return took
+
+        took = asyncio.run(main())
+        assert s.proc.returncode == 0 and took < 4 + 0.5, took
+    finally:
+        s.stop()
+    log = s.proc.stdout.read()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
