@@ -11,7 +11,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from test_server import Server
+from test_server import Server, worker_pid
 
 from hetserve.serving.responses import ResponseStore
 
@@ -232,15 +232,6 @@ def test_strict_openai_types(server, model):
     assert len(lines) >= 18 and lines[-2] in ("event: response.completed", "event: response.incomplete")
 
 
-def engine_worker(server: Server) -> int:
-    """The pid of the server's one engine worker (its other children tokenize)."""
-    for pid in server.worker_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"hetserve.serving.worker" in f.read():
-                return pid
-    raise LookupError("no engine worker")
-
-
 def test_worker_death_mid_stream_fails_the_response(tiny_qwen2):
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
@@ -255,7 +246,7 @@ def test_worker_death_mid_stream_fails_the_response(tiny_qwen2):
                 if line.startswith("event: "):
                     kinds.append(line.removeprefix("event: "))
                     if kinds[-1] == "response.output_text.delta" and kinds.count(kinds[-1]) == 1:
-                        os.kill(engine_worker(s), signal.SIGKILL)
+                        os.kill(worker_pid(s, "cpu"), signal.SIGKILL)
                 elif line.startswith("data: "):
                     last = TypeAdapter(ResponseStreamEvent).validate_json(line.removeprefix("data: "))
         assert kinds[-1] == "response.failed" and "response.completed" not in kinds

@@ -196,6 +196,9 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
      '"stream_options": {"include_usage": true}}', 400, "stream_options"),
     ("/v1/chat/completions", '{"messages": []}', 400, "empty"),
+    # Refused while parsing, before any template work (10**5 messages stalled the server).
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 100000}), 400,
+     "at most 2048"),
     ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
     ("/v1/nothing", '{}', 404, "Not Found"),
     ("/detokenize", '{"tokens": [-1]}', 400, "outside the vocabulary"),
