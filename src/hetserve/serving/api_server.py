@@ -9,13 +9,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling_params import SamplingParams
+from .dashboard import dashboard
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
 from .http_guard import HttpLimits
 from .protocol import (
@@ -58,6 +61,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
+WEB_DIR = Path(__file__).parent / "web"  # the page at / (no API key: it holds no data; its calls need one)
 RETRY_AFTER_S = 1  # what a 503 (queue full, no worker) tells clients to wait before retrying
 
 
@@ -126,6 +130,17 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             return JSONResponse(body)
         body["error"] = error_body(503, "draining" if fe.draining else "no worker is serving")["error"]
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/", include_in_schema=False)
+    async def web_page():
+        return FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=WEB_DIR, check_dir=False), name="static")
+
+    @app.get("/v1/dashboard")
+    async def live_dashboard():
+        """The web page's live view: workers, recent routing decisions, latency percentiles."""
+        return dashboard(fe)
 
     @app.get("/v1/models")
     async def models():
@@ -393,6 +408,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 choice["message"] = {"role": "assistant", "content": body.pop("content")}
             choice.update(body)
             choice["finish_reason"] = "length" if job.score_only else last.finish_reason
+            choice["hetserve"] = _served_by(last)
             choices.append(choice)
             usage["completion_tokens"] += len(toks)
             if id(job.ids) not in seen_prompts:  # n copies of one prompt count it once, as OpenAI does
@@ -401,6 +417,11 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 usage["cached_tokens"] += last.num_cached_tokens
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": fe.model_name, "choices": choices, "usage": _usage(usage)}
+
+    def _served_by(d: Delta) -> dict:
+        """hetserve's extension on a finished choice (the web page shows it): where it ran and what it reused."""
+        return {"worker": d.worker, "cached_tokens": d.num_cached_tokens, "spec": d.spec,
+                "disaggregated": {"prefill": d.prefill_worker, "decode": d.worker} if d.prefill_worker else None}
 
     def _usage(u: dict) -> dict:
         return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
@@ -418,10 +439,12 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             except APIError as e:
                 await queue.put((job, e))
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, served_by=None) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": fe.model_name, "choices": choices}
             if usage is not None:
                 body["usage"] = usage
+            if served_by is not None:
+                body["hetserve"] = served_by
             return sse_data(body)
 
         tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
@@ -456,7 +479,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                         c["delta"] = {"content": content} if content else {}
                     c.update(body)
                     c["finish_reason"] = ("length" if job.score_only else d.finish_reason) if d.finished else None
-                    yield chunk([c])
+                    yield chunk([c], served_by=_served_by(d) if d.finished else None)
                     # One loop pass per chunk: a client that left is then seen (its transport's
                     # connection_lost runs) before the next write, instead of after a burst of
                     # writes to a dead socket that asyncio logs one warning each.
@@ -471,7 +494,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    from .responses import add_responses_routes  # here, not at the top: responses imports this module
+    from .responses import (
+        add_responses_routes,  # here, not at the top: responses imports this module
+    )
 
     add_responses_routes(app, fe)
     (http_limits or HttpLimits()).install(app, api_key, max_body_bytes)  # auth, body cap, CORS, origins

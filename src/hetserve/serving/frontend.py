@@ -31,6 +31,7 @@ from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from . import ipc
+from .dashboard import LiveStats
 from .devices import WorkerSpec, parse_devices
 from .metrics import Metrics
 from .router import NoWorker, Profile, Router, WorkerView, choose_split
@@ -60,6 +61,9 @@ class Delta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta, when asked for
+    worker: str = ""  # the worker that produced it (the decode worker of a split request)
+    prefill_worker: str | None = None  # disaggregated: the worker that ran the prefill
+    spec: dict[str, float] | None = None  # with the last delta of a speculating request: proposed, accepted
 
 
 @dataclass
@@ -77,6 +81,7 @@ class _Stream:
     holder: "WorkerHandle | None" = None  # the prefill worker while it holds the request's pages
     transfer_start: float = 0.0
     transfer_bytes: int = 0
+    prefill_worker: str | None = None
 
 
 @dataclass
@@ -147,6 +152,7 @@ class Frontend:
         self.transfer_bytes_per_s = transfer_bytes_per_s  # the auto split's estimate of KV transfer speed
         self.router: Router | None = None
         self._route_log = open(route_log, "a", buffering=1) if route_log else None
+        self.live = LiveStats()  # what the web page's dashboard shows
         self.max_queued_requests = max_queued_requests
         self.startup_timeout = startup_timeout
         self.worker_timeout = worker_timeout
@@ -299,13 +305,17 @@ class Frontend:
                 placed = self.router.view(choice).requests.pop(rid)
                 self.router.view(split.prefill).requests[rid] = placed
                 choice = split.prefill
-        if self._route_log:
-            self._route_log.write(json.dumps({
-                "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
-                "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
-                "candidates": [c.as_dict() for c in d.candidates],
-                **({"split": split.as_dict()} if split else {})}) + "\n")
+        self._log_route({
+            "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
+            "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
+            "candidates": [c.as_dict() for c in d.candidates], **({"split": split.as_dict()} if split else {})})
         return next(w for w in self.workers if w.name == choice), split.decode if split else None
+
+    def _log_route(self, entry: dict) -> None:
+        """A routing decision or KV transfer: to --route-log and the dashboard's recent list."""
+        self.live.route(entry)
+        if self._route_log:
+            self._route_log.write(json.dumps(entry) + "\n")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                        request_id: str | None = None, worker: str | None = None) -> AsyncIterator[Delta]:
@@ -338,7 +348,7 @@ class Frontend:
                 if not st.decode.alive:
                     st.done = True
                     raise ServiceUnavailable(f"decode worker {decode} is down")
-                st.holder = w
+                st.holder, st.prefill_worker = w, w.name
             await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
                                                           prefill_only=st.decode is not None)))
             while True:
@@ -454,8 +464,12 @@ class Frontend:
             if st.first_token_time is None:
                 st.first_token_time = now
                 self.metrics.ttft(w.name, now - st.arrival)
+                self.live.ttft(now - st.arrival)
+                self.live.tokens(w.name, prefill=max(st.num_prompt_tokens - u.num_cached_tokens, 0))
             else:
                 self.metrics.itl(w.name, (now - st.last_token_time) / len(u.new_token_ids))
+                self.live.itl((now - st.last_token_time) / len(u.new_token_ids))
+                self.live.tokens(w.name, decode=len(u.new_token_ids))
             st.last_token_time = now
         if u.queue_time_s is not None:
             self.metrics.queue_time(w.name, u.queue_time_s)
@@ -475,7 +489,8 @@ class Frontend:
             finished=finished, finish_reason=reason, num_prompt_tokens=st.num_prompt_tokens,
             num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens,
             prompt_logprobs=None if u.prompt_logprobs is None else
-            [{int(t): float(lp) for t, lp in entry} or None for entry in u.prompt_logprobs]))
+            [{int(t): float(lp) for t, lp in entry} or None for entry in u.prompt_logprobs],
+            worker=w.name, prefill_worker=st.prefill_worker, spec=u.spec))
 
     async def _relay(self, msg: ipc.KVTransfer, raw: bytes) -> None:
         """Forward a prefill worker's KV to the request's decode worker (the same bytes)."""
@@ -512,11 +527,10 @@ class Frontend:
             self.metrics.kv_transfer(p.name if p else "", msg.worker, seconds, nbytes)
         else:
             self._fail(rid, msg.error or "the KV transfer failed")
-        if self._route_log:
-            self._route_log.write(json.dumps({
-                "time": round(time.time(), 4), "request_id": rid, "event": "kv_transfer",
-                "prefill": p.name if p else None, "decode": msg.worker, "ok": msg.ok, "error": msg.error,
-                "bytes": nbytes, "transfer_s": round(seconds, 6), "import_s": round(msg.import_s, 6)}) + "\n")
+        self._log_route({
+            "time": round(time.time(), 4), "request_id": rid, "event": "kv_transfer",
+            "prefill": p.name if p else None, "decode": msg.worker, "ok": msg.ok, "error": msg.error,
+            "bytes": nbytes, "transfer_s": round(seconds, 6), "import_s": round(msg.import_s, 6)})
 
     async def _monitor(self) -> None:
         """A worker that exits, or goes silent for worker_timeout seconds (stopped, hung): its

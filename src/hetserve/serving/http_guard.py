@@ -108,9 +108,15 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
 
+def _public(path: str) -> bool:
+    """Routes without the API key: /health, and the web page's static files (they hold no data; the page asks
+    for the key and sends it on its API calls)."""
+    return path in ("/health", "/") or path.startswith("/static/")
+
+
 class LimitsAndAuth:
-    """ASGI middleware: API key on every route but /health (decided on the path, compared in constant time) and a
-    cap on the request body size (413)."""
+    """ASGI middleware: API key on every route but the public ones (decided on the path, compared in constant time)
+    and a cap on the request body size (413)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -119,7 +125,7 @@ class LimitsAndAuth:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key and not _public(scope["path"]):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return await _error(401, "missing or invalid API key (Authorization: Bearer ...)")(

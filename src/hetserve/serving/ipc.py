@@ -96,6 +96,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     queue_time_s: float | None = None  # first scheduled - arrival, sent with the first update
     error: str | None = None  # the worker refused or failed this request
+    spec: dict[str, float] | None = None  # when it finishes while speculating: drafts proposed and accepted
 
 
 @dataclass

@@ -33,6 +33,7 @@ def _update(req, out, first: bool):
         prompt_logprobs=None if out.prompt_logprobs is None else [_pairs(d or {}) for d in out.prompt_logprobs],
         num_cached_tokens=req.num_cached_tokens,
         queue_time_s=(m.first_scheduled_time - m.arrival_time) if first and m.first_scheduled_time else None,
+        spec={"proposed": req.spec.proposed, "accepted": req.spec.accepted} if out.finished and req.spec else None,
     )
 
 
