@@ -20,6 +20,9 @@ run: install
 	$(VENV)/bin/hetserve generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens 160 --temperature 0
 
 test: install
+	@# The web page's browser tests use Debian's chromium (they skip, saying why, without one).
+	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq chromium) || echo "chromium not installed: the browser tests will skip"
 	$(PY) -m pytest -q -ra
 
 bench: install

@@ -16,7 +16,7 @@ def test_dashboard_and_answer_stats_of_a_split_request(tiny_qwen2):
                "--api-key", "secret")
     try:
         assert httpx.get(s.url + "/").status_code == 200  # the page and its files need no key...
-        assert httpx.get(s.url + "/static/index.html").status_code == 200
+        assert httpx.get(s.url + "/static/app.js").status_code == 200
         assert httpx.get(s.url + "/v1/dashboard").status_code == 401  # ...its data does
         body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5, "stream": True,
                 "stream_options": {"include_usage": True}}
