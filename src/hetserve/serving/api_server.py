@@ -41,6 +41,21 @@ class ClientGone(Exception):
     """The client closed the connection before its answer: nothing to send, one log line."""
 
 
+async def watched(request: Request, work):
+    """Await tokenizer work, dropping it as soon as the client is gone (a queued job then never
+    runs: abandoned requests must not hold the tokenizer for the ones still waiting)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        task.cancel()
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -197,29 +212,15 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab - 1}]", param)
 
-    async def _watched(request: Request, work):
-        """Await tokenizer work, dropping it as soon as the client is gone (a queued job then never
-        runs: abandoned requests must not hold the tokenizer for the ones still waiting)."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    raise ClientGone()
-        finally:
-            task.cancel()
-
     async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
         try:
-            return await _watched(request, fe.encode_chat(msgs, add_generation_prompt))
+            return await watched(request, fe.encode_chat(msgs, add_generation_prompt))
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
     async def _encode(request: Request, text: str, parse_special: bool, param: str = "prompt") -> list[int]:
         try:
-            return await _watched(request, fe.encode(text, parse_special))
+            return await watched(request, fe.encode(text, parse_special))
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), param) from None
 

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
-from .api_server import APIError, ClientGone, sse_data
+from .api_server import APIError, ClientGone, sse_data, watched
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
 from .protocol import MAX_MESSAGES, _Body
 
@@ -190,7 +190,7 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
         if not msgs:
             raise APIError(400, "input must not be empty", "input")
         try:  # the helper the chat route renders with (off the event loop, with a time budget)
-            ids = await fe.encode_chat(msgs, add_generation_prompt=True)
+            ids = await watched(request, fe.encode_chat(msgs, add_generation_prompt=True))
         except ValueError as e:  # the template's or tokenizer's refusal (TokenizeFailed is one)
             raise APIError(400, str(e), "input") from None
         try:
