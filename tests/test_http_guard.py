@@ -134,7 +134,10 @@ def test_header_trickle_and_idle_connection_closed(server):
         assert trickle_until_answer(s, 4) < 2.5
         status, headers, body = read_response(s)
         assert status == 408 and headers["connection"] == "close" and json.loads(body)["error"]["code"] == 408
-        assert s.recv(1) == b""
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:  # closed with trickled bytes unread: a reset, closed all the same
+            pass
     with connect(server) as s:  # connected, nothing sent: closed without an answer
         t0 = time.monotonic()
         assert s.recv(1) == b"" and time.monotonic() - t0 < 2.5

@@ -264,15 +264,23 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """TokenizeFailed (a 400) for bad input or an overrun budget."""
-        return await self.tokenizers.call("encode", text=text, allow_special=allow_special)
+        """TokenizeFailed (a 400) for bad input, an overrun budget or a prompt over the context."""
+        return self._within_context(await self.tokenizers.call("encode", text=text, allow_special=allow_special,
+                                                               limit=self.max_model_len))
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None) -> list[int]:
         if self.template_error:
             raise TokenizeFailed(self.template_error)
-        return await self.tokenizers.call("encode_chat", messages=messages,
-                                          add_generation_prompt=add_generation_prompt, tools=tools)
+        return self._within_context(await self.tokenizers.call(
+            "encode_chat", messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            limit=self.max_model_len))
+
+    def _within_context(self, ids) -> list[int]:
+        if isinstance(ids, dict):
+            raise TokenizeFailed(f"the prompt is {ids['too_long']} tokens, more than the model's context of "
+                                 f"{self.max_model_len} tokens")
+        return ids
 
     def check_capacity(self) -> None:
         if not self.healthy:

@@ -41,11 +41,18 @@ class TokenizeBudgetExceeded(TokenizeFailed):
 
 # -- the tokenizer process --------------------------------------------------------------------
 
+def _capped(ids: list[int], limit: int | None):
+    """Ids over `limit` stay here: only their count goes back (a prompt far over the context would
+    otherwise cost the API process's event loop the unpacking of millions of ids to refuse it)."""
+    return {"too_long": len(ids)} if limit is not None and len(ids) > limit else ids
+
+
 def _ops(tok):
     return {
-        "encode": lambda text, allow_special=False: tok.encode(text, allow_special=allow_special),
-        "encode_chat": lambda messages, add_generation_prompt=True, tools=None:
-            tok.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools),
+        "encode": lambda text, allow_special=False, limit=None: _capped(tok.encode(text, allow_special=allow_special),
+                                                                        limit),
+        "encode_chat": lambda messages, add_generation_prompt=True, tools=None, limit=None: _capped(
+            tok.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools), limit),
         "decode": lambda ids, skip_special_tokens=True: tok.decode(ids, skip_special_tokens),
         "check_template": lambda: len(tok.encode_chat(_PROBE, add_generation_prompt=True)),
     }
