@@ -171,9 +171,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         check_model(body.model)
         if body.messages is not None:
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = await _encode_chat(request, msgs, body.add_generation_prompt)
+            ids = await _encode_chat(request, msgs, body.add_generation_prompt, for_context=False)
         elif body.prompt is not None:
-            ids = await _encode(request, body.prompt, body.parse_special)
+            ids = await _encode(request, body.prompt, body.parse_special, for_context=False)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": fe.max_model_len}
@@ -212,17 +212,18 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab - 1}]", param)
 
-    async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool,
+                           for_context: bool = True) -> list[int]:
         try:
-            return await watched(request, fe.encode_chat(msgs, add_generation_prompt))
+            return await watched(request, fe.encode_chat(msgs, add_generation_prompt, for_context=for_context))
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
-    async def _encode(request: Request, text: str, parse_special: bool, param: str = "prompt") -> list[int]:
+    async def _encode(request: Request, text: str, parse_special: bool, for_context: bool = True) -> list[int]:
         try:
-            return await watched(request, fe.encode(text, parse_special))
+            return await watched(request, fe.encode(text, parse_special, for_context))
         except (TokenizeFailed, ValueError) as e:
-            raise APIError(400, str(e), param) from None
+            raise APIError(400, str(e), "prompt") from None
 
     async def _completion_prompts(request: Request, prompt, parse_special: bool) -> list[list[int]]:
         if isinstance(prompt, str):
