@@ -173,9 +173,7 @@ def _fits(value, hint) -> bool:
     if origin is dict or hint is dict:
         key, val = typing.get_args(hint) or (Any, Any)
         return isinstance(value, dict) and all(_fits(k, key) and _fits(v, val) for k, v in value.items())
-    if dataclasses.is_dataclass(hint):
-        return isinstance(value, hint)
-    return isinstance(value, hint)
+    return isinstance(value, hint)  # a plain type or a nested message dataclass
 
 
 def encode(msg) -> bytes:
