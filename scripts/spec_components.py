@@ -27,7 +27,7 @@ def main() -> None:
     for fmt, vocab in SETTINGS:
         llm = LLM(model=TARGET, enable_prefix_caching=False, speculative_model=DRAFT, spec_policy="fixed",
                   num_speculative_tokens=4, speculative_weight_format=fmt, speculative_draft_vocab=vocab)
-        draft = llm.engine.proposer.model
+        draft = llm.engine.speculation.proposer.model
         times, forward, logits = [], draft.forward, draft.compute_logits
         started = {}
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_routing_server import one_thread
 
 from hetserve.core.loading import load_engine
 from hetserve.core.request import Request, RequestStatus
 from hetserve.disagg import KVExport, NoRoomYet, TransferError, export_request, import_request
 from hetserve.sampling_params import SamplingParams
-from test_routing_server import one_thread
 
 PROMPTS = [[(5 * i + 3 * j) % 390 + 1 for i in range(n)] for j, n in enumerate((40, 7, 33, 16))]
 
@@ -84,12 +84,12 @@ def test_speculating_decode_worker_reads_the_drafts_backlog_in_chunks(tiny_qwen2
         a = engine(tiny_qwen2, **fp32)
         b = engine(tiny_qwen2, speculative_model=tiny_qwen2, speculative_weight_format="fp32",
                    num_speculative_tokens=3, **fp32)
-        b.draft_catch_up = 8
+        b.speculation.draft_catch_up = 8
         reads = []
-        prefill, propose = b.proposer.prefill, b.proposer.propose
-        b.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
+        prefill, propose = b.speculation.proposer.prefill, b.speculation.proposer.propose
+        b.speculation.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
                                             prefill(batch))
-        b.proposer.propose = lambda batch, *args: (
+        b.speculation.proposer.propose = lambda batch, *args: (
             reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch), propose(batch, *args))[1]
         out, _ = run_split(a, b, PROMPTS, params)
     assert out == ref

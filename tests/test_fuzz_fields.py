@@ -15,7 +15,8 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
           "ignore_eos", "prompt_logprobs", "parse_special", "cache_salt", "worker", "user", "model",
           "response_format", "tools", "skip_special_tokens", "add_generation_prompt", "input", "instructions",
-          "max_output_tokens", "previous_response_id", "store"]
+          "max_output_tokens", "previous_response_id", "store", "tool_choice", "structured_outputs", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "parallel_tool_calls"]
 
 
 def body(rng: random.Random, route: str) -> str:

@@ -155,6 +155,14 @@ def test_stop_string_and_cached_tokens(client):
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: restored pages
 
 
+def _deep(n: int) -> dict:
+    """A schema nesting n levels of properties."""
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"items": schema}
+
+
 BAD = [
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", '{"prompt": "x", "temperature": 1e999}', 400, "temperature"),
@@ -178,14 +186,30 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate"),
     ("/tokenize", '{"prompt": "\\udfff"}', 400, "surrogate"),
     ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}', 400, "surrogate"),
-    # Output constraints are refused, never silently ignored.
+    # Unusable output constraints: a 400 naming the field, before anything is queued.
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
-     '"response_format": {"type": "json_object"}}', 400, "response_format is not supported"),
+     '"response_format": {"type": "xml"}}', 400, "response_format"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+     '"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}', 400, "response_format"),
+    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "bogus"}}', 400, "guided_json"),
+    ("/v1/completions", '{"prompt": "x", "guided_regex": "[a"}', 400, "guided_regex"),
+    ("/v1/completions", '{"prompt": "x", "grammar": "root ::= missing"}', 400, "grammar"),
+    ("/v1/completions", '{"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}', 400,
+     "exactly one"),
+    ("/v1/completions", '{"prompt": "x", "guided_choice": []}', 400, "guided_choice"),
+    ("/v1/completions", '{"prompt": "x", "guided_regex": "a", "json_schema": {}}', 400, "both constrain"),
+    ("/v1/completions", json.dumps({"prompt": "x", "json_schema": {"type": "array", "items": None} | _deep(40)}),
+     400, "deeper than 32"),
+    ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "a" * 300_000}), 400, "at most"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
-     '"function": {"name": "f"}}]}', 400, "tools is not supported"),
+     '"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}', 400,
+     "tool_choice"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', 400,
      "tool_choice"),
-    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "object"}}', 400, "guided_json"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+     '"function": {"name": "bad name!"}}]}', 400, "tools"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', 400,
+     "functions"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"999999": 1}}', 400, "outside the vocabulary"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_model import write_tiny_gguf
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
 from hetserve.spec.policy import POLICIES, DraftPolicy, PolicyConfig
 from hetserve.spec.proposer import VocabularyMismatch
-from tiny_model import write_tiny_gguf
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -123,8 +123,8 @@ def test_draft_reads_prompt_chunks_in_the_targets_prefill_steps(tiny_qwen2):
                weight_format="fp32", speculative_weight_format="fp32")
     eng = llm.engine
     spans = []
-    prefill = eng.proposer.prefill
-    eng.proposer.prefill = lambda batch: (spans.extend((r.num_draft_computed, end) for r, end in batch),
+    prefill = eng.speculation.proposer.prefill
+    eng.speculation.proposer.prefill = lambda batch: (spans.extend((r.num_draft_computed, end) for r, end in batch),
                                           prefill(batch))
     prompt = list(range(200, 218))  # chunks of 6 (a last chunk of 1 token would verify drafts already)
     for rid in ("a", "b"):  # "b" hits the 4 full pages "a" published, with the draft's KV
@@ -165,13 +165,13 @@ def test_a_long_draft_backlog_is_read_in_chunks_between_rounds(tiny_qwen2):
     llm = make(tiny_qwen2, tiny_qwen2, num_speculative_tokens=3, weight_format="fp32",
                speculative_weight_format="fp32", enable_prefix_caching=False)
     eng = llm.engine
-    eng.draft_catch_up = 6
+    eng.speculation.draft_catch_up = 6
     eng.set_speculation(DraftLater(3, wait=20), 0.0)
     reads = []
-    prefill, propose = eng.proposer.prefill, eng.proposer.propose
-    eng.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
+    prefill, propose = eng.speculation.proposer.prefill, eng.speculation.proposer.propose
+    eng.speculation.proposer.prefill = lambda batch: (reads.extend(end - r.num_draft_computed for r, end in batch),
                                           prefill(batch))
-    eng.proposer.propose = lambda batch, *args: (reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch),
+    eng.speculation.proposer.propose = lambda batch, *args: (reads.extend(r.num_tokens - r.num_draft_computed for r, _ in batch),
                                                  propose(batch, *args))[1]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]  # 40 prompt tokens
@@ -257,7 +257,7 @@ def test_preemption_of_speculating_requests(tiny_qwen2, drafts):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = tokens(make(tiny_qwen2).generate(PROMPTS, params, use_tqdm=False))
     probe = make(tiny_qwen2, drafts["near"])
-    per_page = (probe.model.kv_bytes_per_token() + probe.engine.proposer.model.kv_bytes_per_token()) * 4
+    per_page = (probe.model.kv_bytes_per_token() + probe.engine.speculation.proposer.model.kv_bytes_per_token()) * 4
     tight = make(tiny_qwen2, drafts["near"], kv_cache_memory=str(40 * per_page), num_speculative_tokens=4)
     assert tight.engine.pool.num_blocks == 40
     outs = tight.generate(PROMPTS, params, use_tqdm=False)
@@ -368,7 +368,7 @@ def test_reduced_draft_vocabulary_scores_only_its_ids_and_keeps_output_exact(tin
     greedy output still equals the target's, and seeded sampling stays reproducible."""
     full = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, speculative_draft_vocab=0)
     llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, speculative_draft_vocab=100)
-    draft, ref = llm.engine.proposer.model, full.engine.proposer.model
+    draft, ref = llm.engine.speculation.proposer.model, full.engine.speculation.proposer.model
     ids = draft.logit_ids
     specials = [i for i in llm.tokenizer.special_token_ids if i < draft.num_logits]
     assert len(ids) == 100 + len(specials) and set(specials) <= set(ids.tolist())
@@ -389,11 +389,11 @@ def test_reduced_draft_vocabulary_scores_only_its_ids_and_keeps_output_exact(tin
 
 def test_cost_policy_measures_step_costs_at_start(tiny_qwen2, drafts, target_only):
     llm = make(tiny_qwen2, drafts["near"], spec_policy="cost", spec_k_max=5)
-    pol = llm.engine.spec_policy
+    pol = llm.engine.speculation.policy
     assert sorted(pol.target.points) == list(range(1, 7)) and pol.target.known
     assert list(pol.draft.points) == [1] and pol.draft.known
     assert list(pol.draft_first.points) == [1] and pol.draft_first.known  # a 2-token forward
-    assert list(pol.catch_up.points) == [llm.engine.draft_catch_up] and pol.skip_cost() > 0
+    assert list(pol.catch_up.points) == [llm.engine.speculation.draft_catch_up] and pol.skip_cost() > 0
     assert all(v > 0 for v in pol.target.points.values())
     assert_pages_back(llm)  # the scratch forwards hold no page
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
@@ -404,10 +404,10 @@ def test_set_speculation_swaps_policy_and_tv_budget_between_requests(tiny_qwen2,
     alone (no draft forward at all), and a swap mid-request is refused."""
     llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=3, enable_prefix_caching=False)
     eng = llm.engine
-    off, fixed = eng.make_spec_policy("fixed", 0), eng.spec_policy
+    off, fixed = eng.make_spec_policy("fixed", 0), eng.speculation.policy
     calls = []
-    draft_forward = eng.proposer.model.forward
-    eng.proposer.model.forward = lambda *a, **kw: calls.append(1) or draft_forward(*a, **kw)
+    draft_forward = eng.speculation.proposer.model.forward
+    eng.speculation.proposer.model.forward = lambda *a, **kw: calls.append(1) or draft_forward(*a, **kw)
     eng.set_speculation(off, 0.0)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert tokens(outs) == target_only and not calls

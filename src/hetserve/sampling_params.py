@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured.params import StructuredOutputs
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
@@ -30,6 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token (vLLM); no prefix-cache hits
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    structured: StructuredOutputs | None = None  # the grammar the output must match (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +48,10 @@ class SamplingParams:
             self.logit_bias = {int(t) if isinstance(t, str) else t: b for t, b in pairs}
         except (TypeError, ValueError):
             raise ValueError("logit_bias must map token ids to numbers") from None
+        if isinstance(self.structured, dict):  # from the wire
+            self.structured = StructuredOutputs(**self.structured)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise ValueError("structured must be a StructuredOutputs")
         self.validate()
 
     def validate(self) -> None:
@@ -94,6 +101,7 @@ class SamplingParams:
         """The fields as plain msgpack values (SamplingParams(**wire) rebuilds them)."""
         wire = dict(vars(self))
         wire["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        wire["structured"] = self.structured.to_wire() if self.structured is not None else None
         return wire
 
     @property

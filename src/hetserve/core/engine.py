@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 
 import torch
@@ -12,8 +11,10 @@ from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
-from ..spec.policy import CostPolicy, DraftPolicy, PolicyConfig, StepCosts, make_policy, spec_summary
-from ..spec.proposer import DraftProposer, time_forward
+from ..spec.policy import DraftPolicy
+from ..spec.speculation import Speculation
+from ..structured.compiler import GrammarCompiler
+from ..structured.manager import StructuredOutputManager
 from .config import EngineConfig, parse_bytes
 from .flight import FlightCoordinator
 from .model_runner import ModelRunner
@@ -52,7 +53,9 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 class EngineCore:
     def __init__(self, model: DecoderModel, config: EngineConfig, eos_token_ids: frozenset[int],
-                 model_id: str | None = None, draft_model: DecoderModel | None = None):
+                 model_id: str | None = None, draft_model: DecoderModel | None = None,
+                 grammar_compiler: GrammarCompiler | None = None):
+        """grammar_compiler: for requests with structured outputs (none: they are refused)."""
         self.model = model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -77,15 +80,13 @@ class EngineCore:
         self.prefill_only: set[str] = set()
         self.parked: dict[str, Request] = {}
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
-        self.proposer = DraftProposer(draft_model, num_pages * config.page_size, config.page_size) \
-            if draft_model else None
-        self.spec_totals = {"proposed": 0, "accepted": 0, "rounds": 0, "k_histogram": {}}
-        self.scheduler = Scheduler(config, self.pool, self.prefix_cache,
-                                   draft_len=self._draft_len if draft_model else None)
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids, config.spec_tv_budget)
-        self.requests: dict[str, Request] = {}
-        self.spec_policy = self.make_spec_policy(config.spec_policy, config.num_speculative_tokens) \
+        self.speculation = Speculation(model, draft_model, config, self.pool, self.runner, self.max_model_len) \
             if draft_model else None
+        self.scheduler = Scheduler(config, self.pool, self.prefix_cache,
+                                   draft_len=self.speculation.draft_len if draft_model else None)
+        self.structured = StructuredOutputManager(grammar_compiler) if grammar_compiler else None
+        self.requests: dict[str, Request] = {}
         self._profiler = _torch_profiler(config.torch_profile) if config.torch_profile else None
         log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
                  num_pages * per_page / 2**20)
@@ -107,15 +108,19 @@ class EngineCore:
         bad = [t for t in req.params.logit_bias if not t < vocab]
         if bad:
             raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if req.params.structured is not None and self.structured is None:
+            raise RequestRejected("this engine has no tokenizer for structured outputs")
         req.params.max_tokens = self.max_tokens_for(req.num_prompt_tokens, req.params.max_tokens)
-        if self.spec_policy is not None:
-            req.spec = self.spec_policy.new_state()
+        if self.speculation is not None:
+            req.spec = self.speculation.new_state()
         self.requests[req.request_id] = req
         if prefill_only:
             self.prefill_only.add(req.request_id)
         trace.instant("queued", request=req.request_id, prompt_tokens=req.num_prompt_tokens)
+        if req.params.structured is not None:
+            self.structured.add(req)  # to the scheduler once its grammar is compiled
         # Only prompts longer than a page have a full page to share.
-        if req.num_prompt_tokens <= self.pool.page_size or req.needs_prompt_logprobs or \
+        elif req.num_prompt_tokens <= self.pool.page_size or req.needs_prompt_logprobs or \
                 self.flights.add(req.request_id, (tuple(req.prompt_token_ids), req.cache_salt)):
             self.scheduler.add(req)
         else:
@@ -129,6 +134,8 @@ class EngineCore:
             return False
         self.held.pop(request_id, None)
         self.parked.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.discard(request_id)
         self.prefill_only.discard(request_id)
         completed = status is not RequestStatus.FINISHED_ABORTED
         if completed:
@@ -139,10 +146,18 @@ class EngineCore:
 
     def install(self, req: Request) -> None:
         """Take over a running request whose pages are allocated and filled (disagg.import_request):
-        it decodes from the next step on."""
-        if self.spec_policy is not None:
-            req.spec = self.spec_policy.new_state()
+        it decodes from the next step on (a constrained one once its grammar state is rebuilt)."""
+        if req.params.structured is not None and self.structured is None:
+            raise RequestRejected("this engine has no tokenizer for structured outputs")
+        if self.speculation is not None:
+            req.spec = self.speculation.new_state()
         self.requests[req.request_id] = req
+        if req.params.structured is not None:
+            self.structured.add(req, installed=True)
+        else:
+            self._start_installed(req)
+
+    def _start_installed(self, req: Request) -> None:
         self.scheduler.running.append(req)
         self.scheduler.publish(req)
 
@@ -162,7 +177,23 @@ class EngineCore:
             self.scheduler.add(self.held.pop(rid))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.held)
+        return self.scheduler.has_unfinished() or bool(self.held) or bool(self.structured and self.structured.compiling)
+
+    def _grammars_ready(self) -> list[EngineOutput]:
+        """Move requests whose grammar compiled into the scheduler; end those whose grammar failed."""
+        ready, failed = self.structured.poll()
+        for req, installed in ready:
+            self._start_installed(req) if installed else self.scheduler.add(req)
+        outputs = []
+        for req, why in failed:
+            log.warning("request %s: its grammar failed (%s)", req.request_id, why)
+            self.requests.pop(req.request_id, None)
+            self.prefill_only.discard(req.request_id)
+            if req.block_ids:  # an installed request's imported pages
+                self.scheduler.free(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(EngineOutput(req.request_id, [], True, RequestStatus.FINISHED_ABORTED.value))
+        return outputs
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -177,25 +208,24 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[EngineOutput]:
+        outputs = self._grammars_ready() if self.structured is not None and self.structured.compiling else []
         with trace.span("schedule"):
             sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV pool too small?)")
-            return []
-        if self.proposer is not None:
-            self._draft_prefill(sched)
-        draft_seconds = self._propose(sched) if sched.num_drafts else []
+            if not outputs and self.structured is not None:
+                self.structured.wait(0.05)  # nothing to run but grammars compiling
+            return outputs
+        spec = self.speculation
+        constrain = self.structured.valid_prefix if self.structured is not None else None
+        draft_seconds = spec.before_forward(sched, self.prefill_only, constrain) if spec is not None else []
         t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
             sampled = self.runner.execute(sched.scheduled)
-        if isinstance(self.spec_policy, CostPolicy):
-            decoding = all(r.num_computed_tokens + n - sched.num_drafts.get(r.request_id, 0) == r.num_tokens
-                           and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
-            self.spec_policy.observe(len(sched.scheduled), sched.num_tokens if decoding else None,
-                                     time.perf_counter() - t0, *draft_seconds)
+        if spec is not None:
+            spec.after_forward(sched, time.perf_counter() - t0, draft_seconds)
         now = time.monotonic()
-        outputs = []
         incremental = self.config.prefix_publish == "incremental"
         for req, n in sched.scheduled:
             k = sched.num_drafts.get(req.request_id, 0)
@@ -209,16 +239,20 @@ class EngineCore:
                     req.logprobs.append(got.logprobs[j])
                     new_logprobs.append(got.logprobs[j])
                 status = self._stop_status(req, token)
+                # A complete grammar allows nothing but the end: the request ends there, as it
+                # would alone (a refused token cannot happen, every pick is masked; it ends the
+                # request rather than let it run unconstrained).
+                if status is None and req.grammar is not None and \
+                        (not req.grammar.commit([token]) or req.grammar.finished):
+                    status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     break
             # The last token and the accepted drafts have verified KV; rejected drafts' KV is dropped.
             accepted = got.num_accepted if (got and k) else 0
             req.num_computed_tokens = min(req.num_computed_tokens + n - k + accepted, req.num_tokens)
-            if req.spec is not None and got is not None and n - k == 1 and not was_prefilling:
-                self._record_round(req, k, accepted)  # a decode step: K drafts verified (K = 0: none)
+            if spec is not None:
+                spec.after_commit(req, k, accepted, decoded=got is not None and n - k == 1 and not was_prefilling)
             if k:
-                req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
-                req.spec_token_ids, req.draft_probs = [], None
                 self.scheduler.trim(req)
             if incremental:
                 self.scheduler.publish(req)
@@ -245,155 +279,27 @@ class EngineCore:
                                         else None))
         return outputs
 
-    # -- speculative decoding --------------------------------------------------------------------
-    # Tokens the draft may lag behind and still catch up inside a round's first draft forward. A
-    # longer backlog (a request whose KV came from a prefill worker without the draft's, or a
-    # cost-policy probe after a long stretch without drafts) is read in chunks of this many
-    # tokens in decode steps without drafts. Read at once, a backlog stalls every running
-    # request for its whole length (1.05 s for 179 tokens on the 0.5B draft on CPU).
-    draft_catch_up = 32
-
-    def _wanted_draft_len(self, req: Request) -> int:
-        """The policy's K, capped so that committed tokens stay within max_tokens and the context."""
-        k = self.spec_policy.draft_len(req.spec)
-        return max(0, min(k, req.params.max_tokens - req.num_output_tokens - 1,
-                          self.max_model_len - req.num_tokens - 1))
-
-    @staticmethod
-    def _draft_lag(req: Request) -> int:
-        """Tokens the draft has yet to read."""
-        return req.num_tokens - req.num_draft_computed
-
-    def _draft_len(self, req: Request) -> int:
-        """K for the scheduler: the wanted K, or 0 while the draft has a backlog to read first."""
-        if self._draft_lag(req) > self.draft_catch_up:
-            return 0
-        return self._wanted_draft_len(req)
-
+    # -- speculative decoding (spec/speculation.py) -----------------------------------------------
     def make_spec_policy(self, name: str, k: int, confidence: float | None = None) -> DraftPolicy:
-        """A draft policy within this engine's K bounds; a `cost` policy comes measured.
-        confidence: the cost policy's spec_confidence, if not this engine's."""
-        c = self.config
-        policy = make_policy(PolicyConfig(name, k, c.spec_k_min, c.spec_k_max, c.spec_acceptance_low,
-                                          c.spec_acceptance_high, c.spec_ema_alpha,
-                                          c.spec_confidence if confidence is None else confidence))
-        if isinstance(policy, CostPolicy):
-            self._measure_spec_costs(policy)
-        return policy
+        """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
+        return self._speculation().make_policy(name, k, confidence)
 
     def set_speculation(self, policy: DraftPolicy, tv_budget: float) -> None:
         """Swap the draft policy and TV budget while no request is in flight. `bench speculative`
         compares settings run by run on one loaded engine (a fixed K = 0 policy is the target
         alone: no draft forward, no draft prefill)."""
-        if self.proposer is None:
-            raise ValueError("this engine has no speculative model")
         if self.has_unfinished_requests():
             raise RuntimeError("speculation settings change only between requests")
-        self.spec_policy = policy
-        self.runner.tv_budget = tv_budget
+        self._speculation().set_policy(policy, tv_budget)
 
-    def _measure_spec_costs(self, pol: CostPolicy) -> None:
-        """The cost policy's first choices rest on measurements, not on probing with live
-        requests: time target forwards of 1 .. k_max + 1 tokens and a one-token draft forward on
-        pages taken from the pool for the purpose (a cached page among them is evicted first)."""
-        page_size = self.config.page_size
-        n_pages = -(-max(pol.cfg.k_max + 1, self.draft_catch_up) // page_size)
-        if n_pages > self.pool.num_free:
-            return
-        pages = self.pool.allocate(n_pages)
-        try:
-            self._time_spec_costs(pol, pages)
-        finally:
-            self.pool.free(pages)
-
-    def _time_spec_costs(self, pol: CostPolicy, pages: list[int]) -> None:
-        page_size = self.config.page_size
-        t0 = time.perf_counter()
-        time_forward(self.model, self.runner.kv_caches, 1, pages, page_size, repeats=1)  # warm-up
-        # Sizes interleaved, five passes, median per size: a burst of load from elsewhere on a
-        # shared machine then spoils one sample of several sizes, not every sample of one size
-        # (which would tilt the policy towards or away from that K). These relative costs stay
-        # (live steps move a shared load level; see CostPolicy.observe). The draft's forwards are in
-        # the same passes: timed after the target's, a load change between the two had tilted
-        # K = 0 against K >= 1. A round's first draft forward also reads the tokens the last
-        # verification committed (two after a fully accepted round); each further one reads one.
-        # A chunk of a backlog prices the tokens a request skips at K = 0.
-        model, draft = (self.model, self.runner.kv_caches), (self.proposer.model, self.proposer.kv_caches)
-        timings = [(pol.target, n, model, n) for n in range(1, pol.cfg.k_max + 2)]
-        timings += [(pol.draft, 1, draft, 1), (pol.draft_first, 1, draft, 2),
-                    (pol.catch_up, self.draft_catch_up, draft, self.draft_catch_up)]
-        samples: list[list[float]] = [[] for _ in timings]
-        for _ in range(5):
-            for (_, _, (m, caches), tokens), got in zip(timings, samples):
-                got.append(time_forward(m, caches, tokens, pages, page_size, repeats=1))
-        for (costs, size, _, _), got in zip(timings, samples):
-            costs.add(size, statistics.median(got), count=StepCosts.settle)
-        log.info("speculation costs measured in %.1f s: target %s ms, draft %.1f ms (first of a round %.1f ms, "
-                 "%d tokens of a backlog %.1f ms)", time.perf_counter() - t0,
-                 [round(pol.target.predict(n) * 1e3, 1) for n in range(1, pol.cfg.k_max + 2)],
-                 pol.draft.predict(1) * 1e3, pol.draft_first.predict(1) * 1e3, self.draft_catch_up,
-                 pol.catch_up.predict(self.draft_catch_up) * 1e3)
-
-    def _draft_prefill(self, sched) -> None:
-        """The draft reads each prompt chunk (or recomputed span) in the step the target does, so a
-        request's first round proposes at once: catching up over a whole prompt inside a decode
-        step would stall every running request (1.05 s for the 179-token code prompt of `bench
-        speculative` on the 0.5B draft on CPU). Its tokens come on top of the step's budget, at
-        the draft's cost (a third of the target's for 0.5B/1.5B); its span also covers restored
-        pages that lacked the draft's KV (BlockPool.draft_ready). A decoding request whose draft
-        lags more than `draft_catch_up` tokens reads that many of them. Skipped where no round
-        would draft: K = 0 now (the cost policy's judgement), a prefill-only request (its KV
-        leaves for a decode worker without the draft's), a step that verifies drafts."""
-        batch = []
-        for req, n in sched.scheduled:
-            if n > 1 or req.num_computed_tokens < req.num_prompt_tokens:
-                end = req.num_computed_tokens + n
-            elif self._draft_lag(req) > self.draft_catch_up:
-                end = req.num_draft_computed + self.draft_catch_up
-            else:
-                continue  # a plain decode or a round: the draft has nothing to read here
-            if (req.request_id not in sched.num_drafts and req.request_id not in self.prefill_only
-                    and self._wanted_draft_len(req) > 0):
-                batch.append((req, end))
-        if batch:
-            with trace.span("draft prefill", requests=len(batch)):
-                self.proposer.prefill(batch)
-
-    def _propose(self, sched) -> list[float]:
-        """Draft tokens for the requests scheduled with K > 0. Returns, when the round measured
-        decoding alone (no long catch-up over a prompt), the seconds of its first draft forward
-        and the mean of the others (if any), for the cost policy; else []."""
-        batch = [(r, sched.num_drafts[r.request_id]) for r, _ in sched.scheduled if r.request_id in sched.num_drafts]
-        catch_up = sum(self._draft_lag(r) for r, _ in batch)
-        with trace.span("propose", requests=len(batch)):
-            proposals = self.proposer.propose(batch, self.runner.row_for, self.spec_policy.keep_drafting())
-        for req, _ in batch:
-            prop = proposals[req.request_id]
-            req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs
-        # Rounds that stopped early verify fewer rows (their spare pages go at trim).
-        sched.fewer_drafts({req.request_id: k - len(proposals[req.request_id].tokens) for req, k in batch})
-        times = self.proposer.last_forward_seconds
-        if catch_up > 2 * len(batch) or not times:
-            return []
-        # Later forwards count where every request still drafted: draft(B) is a forward of B rows.
-        later = [t for t, rows in zip(times[1:], self.proposer.last_forward_rows[1:]) if rows == len(batch)]
-        return [times[0]] + ([statistics.fmean(later)] if later else [])
-
-    def _record_round(self, req: Request, k: int, accepted: int) -> None:
-        self.spec_policy.update(req.spec, k, accepted)
-        t = self.spec_totals
-        t["k_histogram"][k] = t["k_histogram"].get(k, 0) + 1
-        if k:
-            t["proposed"] += k
-            t["accepted"] += accepted
-            t["rounds"] += 1
+    def _speculation(self) -> Speculation:
+        if self.speculation is None:
+            raise ValueError("this engine has no speculative model")
+        return self.speculation
 
     def spec_stats(self) -> dict:
         """Engine-wide speculation counters (empty without a draft model)."""
-        if self.spec_policy is None:
-            return {}
-        t = self.spec_totals
-        return spec_summary(t["proposed"], t["accepted"], t["rounds"], t["k_histogram"])
+        return self.speculation.stats() if self.speculation is not None else {}
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

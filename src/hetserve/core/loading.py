@@ -20,6 +20,7 @@ from ..models.decoder import DecoderModel
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
 from ..spec.proposer import check_same_vocab, draft_vocab_ids
+from ..structured.compiler import GrammarCompiler
 from .config import EngineConfig
 from .engine import EngineCore
 
@@ -83,5 +84,7 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.
     model_id = f"{decoder.config.arch}:{decoder.config.name}:{path.stat().st_size}"
-    engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id, draft_model=draft)
+    grammars = GrammarCompiler(tokenizer.to_json(), decoder.lm_head.out_features, tokenizer.stop_token_ids)
+    engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id, draft_model=draft,
+                        grammar_compiler=grammars)
     return LoadedEngine(path, tokenizer, decoder, config, engine)

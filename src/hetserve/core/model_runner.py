@@ -143,7 +143,9 @@ class ModelRunner:
         """The sampling row of the request's next position, after `drafts` (for penalties and min_tokens)."""
         p = req.params
         blocked: tuple[int, ...] = ()
-        if req.num_output_tokens + len(drafts) < p.min_tokens:
+        # A grammar decides where the output may end: min_tokens does not block its end.
+        if req.num_output_tokens + len(drafts) < p.min_tokens and req.grammar is None:
             blocked = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
         history = req.all_token_ids + list(drafts) if drafts else req.all_token_ids
-        return SamplingRow(p, history, req.num_prompt_tokens, req.generator, blocked)
+        allowed = req.grammar.allowed(drafts) if req.grammar is not None else None
+        return SamplingRow(p, history, req.num_prompt_tokens, req.generator, blocked, allowed)

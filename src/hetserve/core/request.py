@@ -65,6 +65,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
         self.spec = None
+        self.grammar = None  # structured outputs: a GrammarState at the committed tokens (structured/)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -1,7 +1,7 @@
 """Sampling for a batch of rows, each with its own parameters and random generator.
 
-Order of processing (as in vLLM): logit bias, penalties, min_tokens masking, temperature,
-top-k, top-p, min-p, then a draw. Greedy rows skip everything after penalties.
+Order of processing (as in vLLM): logit bias, penalties, min_tokens masking, a grammar's
+mask, temperature, top-k, top-p, min-p, then a draw. Greedy rows skip everything after penalties.
 A seeded row draws only from its own generator, so its tokens do not depend on
 its batch neighbours.
 """
@@ -22,6 +22,7 @@ class SamplingRow:
     num_prompt_tokens: int
     generator: torch.Generator | None
     blocked_token_ids: tuple[int, ...] = ()  # e.g. EOS while output < min_tokens
+    allowed: torch.Tensor | None = None  # bool over the vocabulary: a grammar's mask (structured outputs)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -43,6 +44,10 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
             logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     if row.blocked_token_ids:
         logits[list(row.blocked_token_ids)] = float("-inf")
+    if row.allowed is not None:
+        n = min(row.allowed.numel(), logits.shape[-1])
+        logits[:n].masked_fill_(~row.allowed[:n].to(logits.device), float("-inf"))
+        logits[n:] = float("-inf")
     return logits
 
 

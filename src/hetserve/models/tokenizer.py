@@ -193,6 +193,10 @@ class Tokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         return self._stops
 
+    def to_json(self) -> str:
+        """The HF `tokenizers` JSON of this tokenizer (special tokens split out), for llguidance."""
+        return self._special.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._ids.get(token)
 

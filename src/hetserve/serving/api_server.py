@@ -18,6 +18,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling_params import SamplingParams
+from ..structured import StructuredOutputError
+from . import tool_calls
 from .dashboard import dashboard
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
 from .http_guard import HttpLimits
@@ -96,6 +98,7 @@ class _Job:
     score_only: bool = False  # echo with max_tokens 0: one token is run for the prompt's scores, none shown
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given
     text_offset: int = 0  # characters of this choice's text so far (logprobs' text_offset)
+    tools: tool_calls.Tools | None = None  # chat with tools: the output is parsed for calls
 
 
 def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: int = 4 << 20,
@@ -197,13 +200,18 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         check_model(body.model)
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = await _encode_chat(request, msgs, body.add_generation_prompt)
+        msgs = tool_calls.history_messages([m.model_dump(exclude_none=True) for m in body.messages])
+        try:
+            tools = tool_calls.Tools.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except tool_calls.ToolError as e:
+            raise APIError(400, str(e), e.field) from None
+        ids = await _encode_chat(request, msgs, body.add_generation_prompt,
+                                 tools=tools.template_tools if tools else None)
         top = body.top_logprobs if body.top_logprobs is not None else (0 if body.logprobs else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _serve(body, request, [ids], max_tokens, top, chat=True)
+        return await _serve(body, request, [ids], max_tokens, top, chat=True, tools=tools)
 
     # -- helpers ------------------------------------------------------------------------------
     def _check_ids(ids: list[int], param: str) -> None:
@@ -213,9 +221,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab - 1}]", param)
 
     async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool,
-                           for_context: bool = True) -> list[int]:
+                           for_context: bool = True, tools: list[dict] | None = None) -> list[int]:
         try:
-            return await watched(request, fe.encode_chat(msgs, add_generation_prompt, for_context=for_context))
+            return await watched(request, fe.encode_chat(msgs, add_generation_prompt, tools, for_context=for_context))
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -243,14 +251,33 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             out.append(ids)
         return out
 
-    async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool):
+    def _constraint(body, tools: tool_calls.Tools | None):
+        """The request's output grammar: its structured-output fields, or its tool calls."""
+        try:
+            structured = body.constraint()
+            if tools is None:
+                return structured
+            if structured is not None:
+                raise StructuredOutputError(f"{structured.field} and tools both constrain the output; give one",
+                                            structured.field)
+            return tools.constraint(tool_tag)
+        except (StructuredOutputError, tool_calls.ToolError) as e:
+            raise APIError(400, str(e), e.field) from None
+
+    def tool_tag(text: str) -> str:
+        """A call marker in a grammar: the vocabulary's own token where it has one, else literal text."""
+        return text if fe.tokenizer.token_to_id(text) is not None else json.dumps(text)
+
+    async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool,
+                     tools: tool_calls.Tools | None = None):
         # n choices per prompt share its id list (usage counts each prompt once).
         echo = not chat and body.echo
         score_only = echo and max_tokens == 0  # prompt scoring: run one token, return none
         choice_prompts = [ids for ids in prompts for _ in range(body.n)]
+        structured = _constraint(body, tools)
         try:
             fe.check_capacity()
-            params = [body.sampling_params(1 if score_only else max_tokens, logprobs, i % body.n)
+            params = [body.sampling_params(1 if score_only else max_tokens, logprobs, i % body.n, structured)
                       for i in range(len(choice_prompts))]
             for p, ids in zip(params, choice_prompts):
                 if echo and logprobs is not None and p.prompt_logprobs is None:
@@ -267,7 +294,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         if echo:
             for ids in prompts:
                 echoes[id(ids)] = await fe.run_blocking(fe.tokenizer.decode, ids, False)
-        jobs = [_Job(i, ids, p, echoes.get(id(ids)), score_only, body.prompt_logprobs is not None)
+        jobs = [_Job(i, ids, p, echoes.get(id(ids)), score_only, body.prompt_logprobs is not None, tools=tools)
                 for i, (ids, p) in enumerate(zip(choice_prompts, params))]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -406,10 +433,15 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         for (text, toks, lps, last, prompt_lps), job in zip(results, jobs):
             body = _choice_body(job, text, toks, lps, chat, True, prompt_lps, True)
             choice = {"index": job.index}
+            finish = "length" if job.score_only else last.finish_reason
             if chat:
                 choice["message"] = {"role": "assistant", "content": body.pop("content")}
+                if job.tools is not None:
+                    content, calls = tool_calls.parse(choice["message"]["content"], job.tools)
+                    choice["message"].update(content=content, tool_calls=calls)
+                    finish = "tool_calls" if calls and finish == "stop" else finish
             choice.update(body)
-            choice["finish_reason"] = "length" if job.score_only else last.finish_reason
+            choice["finish_reason"] = finish
             choice["hetserve"] = _served_by(last)
             choices.append(choice)
             usage["completion_tokens"] += len(toks)
@@ -455,6 +487,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                  "cached_tokens": 0}
         cached_seen: set[int] = set()
         started: set[int] = set()
+        streams: dict[int, tool_calls.ToolStream] = {}  # choices with tools
         remaining = len(jobs)
         try:
             if chat:
@@ -474,13 +507,24 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 first = job.index not in started
                 started.add(job.index)
                 body = _choice_body(job, text, toks, lps, chat, first, d.prompt_logprobs, d.finished)
-                if text or d.finished or body.get("logprobs") or (first and job.echo is not None):
+                calls = []
+                if job.tools is not None:
+                    stream = streams.setdefault(job.index, tool_calls.ToolStream(job.tools))
+                    body["content"], calls = stream.feed(body["content"], final=d.finished)
+                shows = text if job.tools is None else body["content"] or calls
+                if shows or d.finished or body.get("logprobs") or (first and job.echo is not None):
                     c = {"index": job.index}
                     if chat:
                         content = body.pop("content")
                         c["delta"] = {"content": content} if content else {}
+                        if calls:
+                            base = streams[job.index].num_calls - len(calls)
+                            c["delta"]["tool_calls"] = [{"index": base + i, **call} for i, call in enumerate(calls)]
                     c.update(body)
-                    c["finish_reason"] = ("length" if job.score_only else d.finish_reason) if d.finished else None
+                    finish = "length" if job.score_only else d.finish_reason
+                    if job.tools is not None and streams[job.index].num_calls and finish == "stop":
+                        finish = "tool_calls"
+                    c["finish_reason"] = finish if d.finished else None
                     yield chunk([c], served_by=_served_by(d) if d.finished else None)
                     # One loop pass per chunk: a client that left is then seen (its transport's
                     # connection_lost runs) before the next write, instead of after a burst of

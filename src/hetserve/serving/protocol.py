@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams
+from ..structured import StructuredOutputError, StructuredOutputs
 
 MAX_N = 16
 MAX_PROMPTS = 64
@@ -44,10 +45,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# Fields of the OpenAI, vLLM and llama.cpp schemas that constrain the output. They are refused
-# (400) rather than ignored, so a client never believes it got JSON or a tool call it did not.
-_CONSTRAINTS = ("response_format", "tools", "functions", "structured_outputs", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "grammar", "json_schema")
+# vLLM's older guided_* names for structured_outputs' keys.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _Sampling(_Body):
@@ -75,26 +74,66 @@ class _Sampling(_Body):
     worker: str | None = None  # hetserve: run on this worker whatever the route policy (cache warming)
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM: top-N log-probabilities of every prompt token
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (and guided_*),
+    # llama.cpp's grammar (GBNF) and json_schema. At most one per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: Any = None
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in _CONSTRAINTS:
-                v = data.get(name)
-                if v is None or (name == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
-                    continue
-                raise ValueError(f"{name} is not supported yet (structured outputs and tool calling are not "
-                                 "implemented); the request was not run")
-            if data.get("tool_choice") not in (None, "none"):
-                raise ValueError("tool_choice is not supported yet (no tool calling); the request was not run")
+            if data.get("functions") is not None or data.get("function_call") is not None:
+                raise ValueError("functions/function_call (deprecated by OpenAI) are not supported: send tools "
+                                 "and tool_choice")
             if data.get("stream_options") is not None and not data.get("stream"):
                 raise ValueError("stream_options is only allowed when stream is true")
         return data
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+    def constraint(self) -> StructuredOutputs | None:
+        """The output constraint the request asks for (StructuredOutputError names the field)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            found.append(_response_format(rf))
+        so = self.structured_outputs
+        if so:
+            keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None]
+            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
+                                        "disable_any_whitespace", "disable_additional_properties"})
+            if unknown:
+                raise StructuredOutputError(f"unknown key {unknown[0]!r} (json, regex, choice, grammar or "
+                                            "json_object)", "structured_outputs")
+            if len(keys) != 1:
+                raise StructuredOutputError("give exactly one of json, regex, choice, grammar, json_object",
+                                            "structured_outputs")
+            found.append(_kind(keys[0], so[keys[0]], "structured_outputs"))
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                found.append(_kind(kind, getattr(self, name), name))
+        if self.grammar is not None:
+            found.append(_kind("grammar", self.grammar, "grammar"))
+        if self.json_schema is not None:
+            found.append(_kind("json", self.json_schema, "json_schema"))
+        if len(found) > 1:
+            raise StructuredOutputError(f"{found[0].field} and {found[1].field} both constrain the output; give "
+                                        "one", found[1].field)
+        if found:
+            found[0].check()
+            return found[0]
+        return None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
         """Raises ValueError (-> 400) for out-of-range values, NaN and infinities."""
         return SamplingParams(
+            structured=structured,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -123,6 +162,32 @@ class _Sampling(_Body):
         return out
 
 
+def _kind(kind: str, value: Any, field: str) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs.json_schema(value, field)
+    if kind == "choice":
+        return StructuredOutputs.choice(value, field)
+    if kind == "json_object":
+        return StructuredOutputs("json_object", "", field)
+    if not isinstance(value, str) or not value:
+        raise StructuredOutputError(f"{field}: {kind} must be a non-empty string", field)
+    return StructuredOutputs(kind, value, field)
+
+
+def _response_format(rf: dict) -> StructuredOutputs:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputs("json_object", "", "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise StructuredOutputError('response_format json_schema needs {"name": ..., "schema": {...}}',
+                                        "response_format")
+        return StructuredOutputs.json_schema(js["schema"], "response_format")
+    raise StructuredOutputError(f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                                "response_format")
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -148,6 +213,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
