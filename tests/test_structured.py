@@ -224,3 +224,55 @@ def test_an_engine_without_a_tokenizer_refuses_constraints(tiny_qwen2):
     eng.structured = None
     with pytest.raises(ValueError, match="structured outputs"):
         eng.add_request(Request("x", [1, 2], constrained(CONSTRAINTS[0][0])))
+
+
+def test_a_slow_compile_never_stalls_other_requests(tiny_qwen2):
+    """Grammars compile on their own thread: while one takes a second, an unconstrained request
+    decodes to its end; the constrained one then runs."""
+    import threading
+    import time
+
+    llm = make(tiny_qwen2)
+    eng = llm.engine
+    compiler = eng.structured.compiler
+    release = threading.Event()
+    real = compiler.compile
+    compiler.compile = lambda spec: (release.wait(30), real(spec))[1]
+    try:
+        eng.add_request(Request("slow", PROMPTS[0], constrained(CONSTRAINTS[0][0])))
+        eng.add_request(Request("plain", PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        done, t = {}, time.monotonic()
+        while "plain" not in done:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            assert time.monotonic() - t < 20
+        assert "slow" in eng.structured.compiling and "slow" not in done
+        release.set()
+        tokens_out = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.request_id == "slow":
+                    tokens_out += o.new_token_ids
+                    done[o.request_id] = o
+        assert done["slow"].finish_reason == "stop"
+        assert re.fullmatch(CONSTRAINTS[0][1], llm.tokenizer.decode(tokens_out))
+    finally:
+        release.set()
+        compiler.compile = real
+    assert_pages_back(llm)
+
+
+def test_prefix_cache_hits_keep_constrained_outputs(tiny_qwen2):
+    spec, pattern = CONSTRAINTS[3]
+    llm = make(tiny_qwen2)
+    first = llm.generate(PROMPTS[1:2], constrained(spec), use_tqdm=False)[0]
+    again = llm.generate(PROMPTS[1:2], constrained(spec), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids and re.fullmatch(pattern, again.text)
+
+
+def test_constraints_cross_the_wire_as_plain_values():
+    import msgpack
+    p = SamplingParams(max_tokens=4, structured=StructuredOutputs("regex", "a+", "guided_regex"))
+    back = SamplingParams(**msgpack.unpackb(msgpack.packb(p.to_wire())))
+    assert back.structured == p.structured

@@ -88,15 +88,20 @@ class Tools:
             schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": self.functions[name]},
                       "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _COMPACT}
             lines.append(f"fn_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
-        lines.append(f"call: {tag(OPEN)} \"\\n\" ({' | '.join(f'fn_{i}' for i in range(len(names)))}) \"\\n\" "
-                     f"{tag(CLOSE)}")
-        if self.choice == "auto":  # free text; the grammar binds from the opening token on
-            lines += ["start: (TEXT call)* TEXT" if self.parallel else "start: TEXT (call TEXT)?",
-                      r"TEXT: /(.|\n)*/"]
-        elif self.parallel and self.choice == "required":
-            lines.append('start: call ("\\n" call)*')
+        body = f"\"\\n\" ({' | '.join(f'fn_{i}' for i in range(len(names)))}) \"\\n\" {tag(CLOSE)}"
+        opener = tag(OPEN)
+        if self.choice != "auto":
+            lines.append(f"call: {opener} {body}")
+            lines.append('start: call ("\\n" call)*' if self.parallel and self.choice == "required" else "start: call")
         else:
-            lines.append("start: call")
+            # Free text; the grammar binds from the opening marker on. Text cannot hold a special
+            # token, so a special marker ends it; a literal one ends it through a lazy lexeme (the
+            # shortest text that reaches the marker).
+            if opener.startswith('"'):
+                lines += [f"head[lazy]: TEXT {opener}", f"call: head {body}"]
+            else:
+                lines.append(f"call: TEXT {opener} {body}")
+            lines += ["start: call* TEXT" if self.parallel else "start: call? TEXT", r"TEXT: /(.|\n)*/"]
         spec = StructuredOutputs("lark", "\n".join(lines) + "\n", "tools")
         try:
             spec.check()
