@@ -74,6 +74,7 @@ def test_mask_covers_the_padded_vocabulary(llm):
     from hetserve.structured.matcher import GrammarState
     tok = llm.tokenizer
     assert llm.engine.structured.compiler.vocab_size == llm.engine.model.lm_head.out_features
+    assert llm.engine.structured.compiler._tokenizer.done()  # built while loading: no stall when requests run
     padded = tok.vocab_size + 64
     compiler = GrammarCompiler(tok.to_json(), padded, tok.stop_token_ids)
     allowed = GrammarState(compiler.compile(StructuredOutputs("regex", "[a-z]+")), padded).allowed()
@@ -248,6 +249,8 @@ def test_a_slow_compile_never_stalls_other_requests(tiny_qwen2):
                     done[o.request_id] = o
             assert time.monotonic() - t < 20
         assert "slow" in eng.structured.compiling and "slow" not in done
+        eng.add_request(Request("gone", PROMPTS[2], constrained(CONSTRAINTS[1][0])))
+        assert eng.abort("gone") and "gone" not in eng.structured.compiling  # aborted while compiling
         release.set()
         tokens_out = []
         while eng.has_unfinished_requests():

@@ -10,10 +10,11 @@ from . import (
                routing,
                serve,
                speculative,
+               structured,
                throughput,
                tracing,
                weight_formats,
 )
 
 BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, load, tracing, routing, speculative,
-               weight_formats, disagg)
+               weight_formats, disagg, structured)

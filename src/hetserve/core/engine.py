@@ -183,6 +183,7 @@ class EngineCore:
         """Move requests whose grammar compiled into the scheduler; end those whose grammar failed."""
         ready, failed = self.structured.poll()
         for req, installed in ready:
+            trace.instant("grammar ready", request=req.request_id)
             self._start_installed(req) if installed else self.scheduler.add(req)
         outputs = []
         for req, why in failed:

@@ -55,6 +55,9 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
                  config.quant_max_rows, config.prefill_format)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        # Built on its own thread while the weights load (it holds the GIL for a second on a
+        # 152k vocabulary, so it must be done before requests decode).
+        grammars = GrammarCompiler(tokenizer.to_json(), _logit_rows(f), tokenizer.stop_token_ids)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
         decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
     draft = None
@@ -84,7 +87,14 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.
     model_id = f"{decoder.config.arch}:{decoder.config.name}:{path.stat().st_size}"
-    grammars = GrammarCompiler(tokenizer.to_json(), decoder.lm_head.out_features, tokenizer.stop_token_ids)
+    grammars.wait_ready()
+    assert grammars.vocab_size == decoder.lm_head.out_features
     engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id, draft_model=draft,
                         grammar_compiler=grammars)
     return LoadedEngine(path, tokenizer, decoder, config, engine)
+
+
+def _logit_rows(f: GGUFFile) -> int:
+    """Rows of the output layer (the padded vocabulary), from the file's tensor table."""
+    name = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    return f.tensors[name].shape[0]

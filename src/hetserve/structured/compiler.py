@@ -3,6 +3,7 @@ cache of compiled grammars, and a thread that compiles so the step loop never wa
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,29 +17,36 @@ from .params import StructuredOutputError, StructuredOutputs, parser_limits
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_json: str, vocab_size: int, stops: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """About a second for a 152k vocabulary, holding the GIL all along: built once per process and
+    tokenizer, while the model loads (GrammarCompiler.wait_ready), never while requests decode."""
+    t = time.perf_counter()
+    tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stops))
+    log.info("grammar tokenizer built in %.2f s", time.perf_counter() - t)
+    return tok
+
+
 class GrammarCompiler:
     CACHE_SIZE = 128  # distinct grammars kept compiled (an LLMatcher each, copied per request)
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids):
         """tokenizer_json: the HF `tokenizers` JSON of the model's tokenizer; vocab_size: the
-        model's logits width (the padded vocabulary: ids past the tokenizer's are never allowed)."""
-        self._tokenizer_json = tokenizer_json
+        model's logits width (the padded vocabulary: ids past the tokenizer's are never allowed).
+        llguidance's view of the tokenizer starts building at once on the compile thread."""
         self.vocab_size = vocab_size
-        self._stops = sorted(stop_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._tokenizer = self._pool.submit(_tokenizer, tokenizer_json, vocab_size, tuple(sorted(stop_token_ids)))
         self.compile_seconds: list[float] = []  # of compiles that missed the cache (bench structured)
+
+    def wait_ready(self) -> None:
+        self._tokenizer.result()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:  # about a second for a 152k vocabulary; only the compile thread waits
-            t = time.perf_counter()
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                     eos_token=self._stops)
-            log.info("grammar tokenizer built in %.2f s", time.perf_counter() - t)
-        return self._tokenizer
+        return self._tokenizer.result()
 
     def submit(self, spec: StructuredOutputs) -> Future:
         """A future of a fresh matcher for `spec` (StructuredOutputError if it does not compile)."""
