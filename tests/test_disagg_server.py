@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import re
 import time
 
 import httpx
@@ -51,6 +52,22 @@ def test_split_gives_single_worker_outputs(tiny_qwen2, split):
     assert len(moves) == 4 and all(m["ok"] and m["prefill"] == "cpu0" and m["decode"] == "cpu1" for m in moves)
     assert all(m["bytes"] > 0 and m["transfer_s"] > 0 for m in moves)
     assert split.metric("hetserve:kv_transfer_bytes_total") == sum(m["bytes"] for m in moves)
+    assert wait_pages_back(split) == {"cpu0": 0, "cpu1": 0}
+
+
+def test_a_constrained_request_keeps_its_grammar_across_the_move(tiny_qwen2, split):
+    """The decode worker rebuilds the grammar state from the first token the prefill worker sent."""
+    from hetserve.structured import StructuredOutputs
+
+    prompt = [(7 * k) % 390 + 1 for k in range(30)]
+    spec = StructuredOutputs("regex", "[0-9]{3}-[a-z]{2,6}")
+    expected = one_worker_outputs(tiny_qwen2, [prompt], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                      structured=spec))[0].text
+    r = httpx.post(split.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                        "guided_regex": "[0-9]{3}-[a-z]{2,6}"}, timeout=60).json()
+    assert r["choices"][0]["text"] == expected and r["choices"][0]["finish_reason"] == "stop"
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,6}", expected)
+    assert r["choices"][0]["hetserve"]["disaggregated"] == {"prefill": "cpu0", "decode": "cpu1"}
     assert wait_pages_back(split) == {"cpu0": 0, "cpu1": 0}
 
 

@@ -11,10 +11,10 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from test_server import Server, model_id
 
 from hetserve import LLM, SamplingParams
 from hetserve.structured import StructuredOutputs
-from test_server import Server, model_id
 
 pytestmark = pytest.mark.real_model
 

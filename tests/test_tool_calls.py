@@ -7,7 +7,7 @@ import json
 import llguidance
 import pytest
 
-from hetserve.serving.tool_calls import Tools, ToolError, ToolStream, history_messages, parse
+from hetserve.serving.tool_calls import ToolError, Tools, ToolStream, history_messages, parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -105,8 +105,7 @@ class _Sampling(_Body):
         so = self.structured_outputs
         if so:
             keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None]
-            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
-                                        "disable_any_whitespace", "disable_additional_properties"})
+            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
             if unknown:
                 raise StructuredOutputError(f"unknown key {unknown[0]!r} (json, regex, choice, grammar or "
                                             "json_object)", "structured_outputs")
