@@ -14,24 +14,11 @@ from pydantic import BaseModel, Field
 from test_server import Server, model_id
 
 from hetserve import LLM, SamplingParams
+from hetserve.bench.structured import SCHEMA  # nested objects, an array, an enum, a pattern
 from hetserve.structured import StructuredOutputs
 
 pytestmark = pytest.mark.real_model
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["engineer", "manager", "designer"]},
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "skills", "address"],
-    "additionalProperties": False,
-}
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 CHOICES = ["positive", "negative", "neutral"]
 
