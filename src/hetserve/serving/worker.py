@@ -44,10 +44,11 @@ def _pairs(logprobs: dict[int, float]) -> list[list[float]]:
 def _state(engine) -> ipc.WorkerState:
     s = engine.scheduler
     published, evicted = engine.prefix_cache.drain_changes() if engine.prefix_cache else ([], [])
-    return ipc.WorkerState(running=len(s.running), waiting=len(s.waiting) + len(engine.held),
+    compiling = list(engine.structured.compiling) if engine.structured else []  # waiting for their grammar
+    return ipc.WorkerState(running=len(s.running), waiting=len(s.waiting) + len(engine.held) + len(compiling),
                            pages_used=engine.pool.num_used, pages_total=engine.pool.num_blocks,
                            preemptions=s.num_preemptions, prefix_cache=engine.prefix_cache_stats(),
-                           queued_ids=[r.request_id for r in s.waiting] + list(engine.held),
+                           queued_ids=[r.request_id for r in s.waiting] + list(engine.held) + compiling,
                            running_prefill={r.request_id: max(r.num_prompt_tokens - r.num_computed_tokens, 0)
                                             for r in s.running},
                            published=published, evicted=evicted,
