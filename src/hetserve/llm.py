@@ -26,18 +26,21 @@ class LLM:
     (`--max-num-seqs` is `max_num_seqs`). `devices` takes `--inference-device` values
     (`["cpu:threads=1", "cuda"]`, with optional ",key=value" overrides); with several, `engine`
     is None, `route_policy` / `route_log` / `profiles` (profile JSON objects) work as on
-    `serve`, and `close()` stops the workers."""
+    `serve`, and `close()` stops the workers. `ray:` devices run in Ray actors on the cluster at
+    `ray_address` (None: a local one), restarted up to `ray_restarts` times."""
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  devices: list[str] | None = None, route_policy: str | None = None, route_log: str | None = None,
-                 profiles: list[dict] | None = None, **engine_kwargs: Any):
+                 profiles: list[dict] | None = None, ray_address: str | None = None, ray_restarts: int = 0,
+                 **engine_kwargs: Any):
         self._ids = itertools.count()
         self._routed = None
-        if devices and len(devices) > 1:
+        if devices and (len(devices) > 1 or any(d.startswith("ray:") for d in devices)):
             from .serving.routed_llm import RoutedEngine
 
             self._routed = RoutedEngine(model, list(devices), dtype, engine_kwargs, route_policy=route_policy,
-                                        route_log=route_log, profiles=profiles, max_queued_requests=1 << 30)
+                                        route_log=route_log, profiles=profiles, max_queued_requests=1 << 30,
+                                        ray_address=ray_address, ray_restarts=ray_restarts)
             fe = self._routed.frontend
             self.path, self.tokenizer = fe.model_path, fe.tokenizer
             self.model = self.config = self.engine = None

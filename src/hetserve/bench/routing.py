@@ -93,6 +93,8 @@ class _Server:
             cmd += ["--inference-device", d]
         for p in profile_paths:
             cmd += ["--profile", p]
+        if args.ray_address:
+            cmd += ["--ray-address", args.ray_address]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self, timeout: float = 900) -> None:
@@ -333,6 +335,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
                         "cuda + cpu:threads=<cores-2> with a GPU; else cpu:threads=<cores-2> + cpu:threads=1 with "
                         "4 or more cores; else cpu:threads=1,weight_format=int8 + cpu:threads=1,weight_format=fp32")
     p.add_argument("--profile", action="append", default=[], help="worker profiles, one per worker, in order")
+    p.add_argument("--ray-address", default=None, help="the Ray cluster of ray: devices (passed to the servers)")
     p.add_argument("--policies", nargs="+", default=None, help="default: force:<first worker> cost")
     p.add_argument("--bursts", type=int, nargs="+", default=[8, 48])
     p.add_argument("--runs", type=int, default=3)

@@ -1,6 +1,8 @@
 """`--inference-device` values -> one worker spec each.
 
     cpu | cpu:threads=N | cuda | cuda:N | gpu      then optional ",key=value" overrides
+    ray:cpu | ray:cpu:threads=N | ray:cuda         a worker in a Ray actor on any node
+                                                   (",node=ID-or-RESOURCE" pins it)
 
 `gpu` takes the lowest accelerator index that no other value in the list names. Overrides
 set this worker's dtype, threads or any engine setting (`cpu:threads=1,dtype=float32,
@@ -27,6 +29,7 @@ class WorkerSpec:
     dtype: str
     threads: int | None
     engine: dict  # EngineConfig keyword arguments, overrides applied
+    ray: dict | None = None  # a Ray worker's resource request: num_cpus, num_gpus, node
 
 
 def _convert(key: str, value: str, kind):
@@ -43,20 +46,22 @@ def _convert(key: str, value: str, kind):
 
 
 def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32") -> list[WorkerSpec]:
-    fields = {f.name: f.type for f in dataclasses.fields(EngineConfig)} | {"dtype": "str", "threads": "int"}
+    fields = {f.name: f.type for f in dataclasses.fields(EngineConfig)} | {"dtype": "str", "threads": "int",
+                                                                          "node": "str"}
     fields.pop("device")
     named = set()
     for v in values:
-        m = _BASE.fullmatch(v.split(",")[0].strip())
+        m = _BASE.fullmatch(v.split(",")[0].strip())  # local GPUs named: `gpu` takes another
         if m and m.group(3) == "cuda":
             named.add(int(m.group(4) or 0))
     specs = []
     for i, value in enumerate(values):
         base, *overrides = [p.strip() for p in value.split(",")]
-        m = _BASE.fullmatch(base)
-        if m is None:
-            raise ValueError(f"--inference-device {value!r}: expected cpu, cpu:threads=N, cuda, cuda:N or gpu, "
-                             "then optional ,key=value overrides")
+        on_ray = base.startswith("ray:")
+        m = _BASE.fullmatch(base.removeprefix("ray:"))
+        if m is None or (on_ray and m.group(4) is not None):
+            raise ValueError(f"--inference-device {value!r}: expected cpu, cpu:threads=N, cuda, cuda:N or gpu "
+                             "(or ray:cpu, ray:cpu:threads=N, ray:cuda), then optional ,key=value overrides")
         threads = int(m.group(2)) if m.group(2) else None
         if m.group(1):
             device = "cpu"
@@ -68,7 +73,9 @@ def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32"
             index = next(k for k in range(len(values) + len(named) + 1) if k not in named)
             named.add(index)
             device = f"cuda:{index}"
-        kw, wdtype = dict(engine_kwargs), dtype
+        if on_ray:  # Ray picks the GPU: the actor sees only the one it was given, as cuda:0
+            device = device.split(":")[0] + (":0" if device.startswith("cuda") else "")
+        kw, wdtype, node = dict(engine_kwargs), dtype, None
         for o in overrides:
             key, sep, val = o.partition("=")
             key = key.strip().replace("-", "_")
@@ -78,6 +85,10 @@ def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32"
             val = _convert(key, val.strip(), fields[key])
             if key == "dtype":
                 wdtype = val
+            elif key == "node":
+                if not on_ray:
+                    raise ValueError(f"--inference-device {value!r}: node= places Ray workers only")
+                node = val
             elif key == "threads":
                 if val < 1:
                     raise ValueError(f"--inference-device {value!r}: threads must be >= 1")
@@ -85,7 +96,9 @@ def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32"
             else:
                 kw[key] = val
         EngineConfig(device=device, **{k: v for k, v in kw.items() if k != "device"})  # fail here, not in a worker
-        kind = device.split(":")[0]
+        kind = ("ray-" if on_ray else "") + device.split(":")[0]
         name = f"{kind}{i}" if len(values) > 1 else kind
-        specs.append(WorkerSpec(value, name, device, wdtype, threads, kw))
+        ray = {"num_cpus": threads or 1, "num_gpus": 1 if device.startswith("cuda") else 0, "node": node} \
+            if on_ray else None
+        specs.append(WorkerSpec(value, name, device, wdtype, threads, kw, ray))
     return specs

@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +31,7 @@ from ..sampling_params import SamplingParams
 from . import ipc
 from .dashboard import LiveStats
 from .devices import WorkerSpec, parse_devices
+from .links import LocalLink, RayLink, connect_ray, ray_options
 from .metrics import Metrics
 from .router import NoWorker, Profile, Router, WorkerView, choose_split
 from .tokenizer_service import TokenizeBudgetExceeded, TokenizeFailed, TokenizerPool
@@ -88,8 +87,7 @@ class _Stream:
 class WorkerHandle:
     name: str
     spec: WorkerSpec
-    proc: subprocess.Popen | None = None
-    socket: zmq.asyncio.Socket | None = None
+    link: LocalLink | RayLink | None = None  # how frames reach it (serving/links.py)
     ready: ipc.Ready | None = None
     state: ipc.WorkerState | None = None
     alive: bool = False
@@ -124,10 +122,14 @@ class Frontend:
                  route_policy: str | None = None, route_log: str | None = None,
                  profiles: list[dict] | None = None, measure_profiles: bool = True,
                  disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9,
-                 tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0):
+                 tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0,
+                 ray_address: str | None = None, ray_restarts: int = 0):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
-        else counts as fast as the others (the cost policy then balances work only)."""
+        else counts as fast as the others (the cost policy then balances work only).
+        ray_address: the Ray cluster of `ray:` devices (None: a local one is started);
+        ray_restarts: times Ray restarts a dead worker actor, which then rejoins."""
+        self.model_arg = model  # what a Ray worker resolves on its own node
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         with GGUFFile(self.model_path) as f:
@@ -171,6 +173,7 @@ class Frontend:
         self.template_error: str | None = None  # the model's template failed its load-time check
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
+        self.ray_address, self.ray_restarts = ray_address, ray_restarts
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,25 +185,32 @@ class Frontend:
             log.error("%s; chat requests will be refused", self.template_error)
         except TokenizeFailed as e:  # e.g. a template that refuses system turns: chats may still work
             log.warning("the model's chat template did not render a probe conversation: %s", e)
-        self._inbox.bind(f"ipc://{self._dir}/out")
+        inbox = f"ipc://{self._dir}/out"
+        self._inbox.bind(inbox)
+        if any(ws.ray for ws in self.specs):
+            connect_ray(self.ray_address)
         for i, ws in enumerate(self.specs):
             spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
                     "threads": ws.threads, "engine": ws.engine, "to_worker": f"ipc://{self._dir}/in{i}",
-                    "from_worker": f"ipc://{self._dir}/out",
+                    "from_worker": inbox,
                     # one worker needs no profile: there is nothing to choose between
                     "measure_profile": self.measure_profiles and len(self.specs) > 1 and ws.spec not in self.profiles}
             w = WorkerHandle(ws.name, ws)
-            w.socket = self._ctx.socket(zmq.PUSH)
-            w.socket.setsockopt(zmq.LINGER, 0)
-            w.socket.bind(spec["to_worker"])
-            w.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.worker", json.dumps(spec)])
+            if ws.ray:
+                # A remote node resolves the model from its own cache (a registry name is pulled
+                # and verified there); a path must exist on that node.
+                spec["model"] = self.model_arg if self.model_arg in registry.MODELS else self.model_path
+                w.link = RayLink(self._ctx, spec, inbox, ray_options(ws.ray, self.ray_restarts))
+                await w.link.locate()
+            else:
+                w.link = LocalLink(self._ctx, spec)
             self.workers.append(w)
         self._tasks.append(asyncio.create_task(self._output_loop()))
         deadline = time.monotonic() + self.startup_timeout
         while not all(w.ready for w in self.workers):
             for w in self.workers:
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"worker {w.name} exited with code {w.proc.returncode} while loading")
+                if w.link.exit_reason() is not None:
+                    raise RuntimeError(f"worker {w.name} stopped while loading ({w.link.exit_reason()})")
             if time.monotonic() > deadline:
                 raise RuntimeError("workers did not load the model in time")
             await asyncio.sleep(0.05)
@@ -241,14 +251,13 @@ class Frontend:
             self._fail(rid, "the server is shutting down")
         for w in self.workers:
             if w.alive:
-                await w.socket.send(ipc.encode(ipc.Shutdown()))
-        deadline = time.monotonic() + timeout
+                await w.link.send(ipc.encode(ipc.Shutdown()))
+        deadline = asyncio.get_running_loop().time() + timeout
         for w in self.workers:
-            while w.proc and w.proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if w.proc and w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
+            if w.alive:
+                await w.link.wait_exit(deadline)
+            else:  # loading or dead: nothing to finish
+                w.link.kill()
             w.alive = False
         for t in self._tasks:
             t.cancel()
@@ -317,8 +326,13 @@ class Frontend:
         self._log_route({
             "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
             "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
-            "candidates": [c.as_dict() for c in d.candidates], **({"split": split.as_dict()} if split else {})})
+            "candidates": [{**c.as_dict(), "node": self._node(c.worker)} for c in d.candidates],
+            **({"split": split.as_dict()} if split else {})})
         return next(w for w in self.workers if w.name == choice), split.decode if split else None
+
+    def _node(self, worker: str) -> str:
+        """Where a worker runs: `local`, or its Ray node's id."""
+        return next(w.link.node for w in self.workers if w.name == worker)
 
     def _log_route(self, entry: dict) -> None:
         """A routing decision or KV transfer: to --route-log and the dashboard's recent list."""
@@ -358,7 +372,7 @@ class Frontend:
                     st.done = True
                     raise ServiceUnavailable(f"decode worker {decode} is down")
                 st.holder, st.prefill_worker = w, w.name
-            await w.socket.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
+            await w.link.send(ipc.encode(ipc.AddRequest(rid, list(prompt_ids), wire, cache_salt,
                                                           prefill_only=st.decode is not None)))
             while True:
                 item = await st.queue.get()
@@ -380,7 +394,7 @@ class Frontend:
             return
         st.done = True
         if st.worker.alive:
-            await st.worker.socket.send(ipc.encode(ipc.Abort(rid, stopped)))
+            await st.worker.link.send(ipc.encode(ipc.Abort(rid, stopped)))
         await self._release(rid, st, stopped=False)
 
     async def _release(self, rid: str, st: _Stream, stopped: bool) -> None:
@@ -390,7 +404,7 @@ class Frontend:
         if p is not None:
             p.requests.discard(rid)
             if p.alive:
-                await p.socket.send(ipc.encode(ipc.Abort(rid, stopped)))
+                await p.link.send(ipc.encode(ipc.Abort(rid, stopped)))
 
     def _forget(self, rid: str) -> None:
         st = self.streams.pop(rid, None)
@@ -404,7 +418,7 @@ class Frontend:
             st.done = True
             st.queue.put_nowait(RequestFailed(message))
             if st.worker.alive:  # e.g. the prefill worker died after the transfer: stop the decode
-                self._spawn(st.worker.socket.send(ipc.encode(ipc.Abort(rid, False))))
+                self._spawn(st.worker.link.send(ipc.encode(ipc.Abort(rid, False))))
             self._spawn(self._release(rid, st, stopped=False))
 
     def _spawn(self, awaitable) -> None:
@@ -423,6 +437,8 @@ class Frontend:
             try:
                 msg = ipc.decode(raw, ipc.TO_FRONTEND)
                 w = next((w for w in self.workers if w.name == msg.worker), None)
+                if w is not None and w.dead and w.link.restarted():
+                    self._rejoining(w)
                 if w is None or w.dead:
                     raise ipc.IPCError(f"{type(msg).__name__} from {'unknown' if w is None else 'dead'} "
                                        f"worker {msg.worker!r}")
@@ -452,6 +468,9 @@ class Frontend:
         if isinstance(msg, ipc.Ready):
             w.ready, w.alive = msg, True
             self.metrics.worker_up(w.name, True)
+            if self.router is not None:  # a restarted worker rejoins the routing, its cache empty
+                self.router.view(w.name).rejoin()
+                log.warning("worker %s is back (%s)", w.name, w.spec.spec)
             return
         w.state = s = msg.state  # Outputs
         self.metrics.worker_state(w.name, s)
@@ -508,7 +527,7 @@ class Frontend:
         p = next((w for w in self.workers if w.name == msg.worker), None)
         if st is None or st.done or st.decode is None or st.holder is not p:
             if p is not None and p.alive:  # nobody waits for it: free the pages
-                await p.socket.send(ipc.encode(ipc.Abort(rid, False)))
+                await p.link.send(ipc.encode(ipc.Abort(rid, False)))
             return
         d = st.decode
         if not d.alive:
@@ -521,7 +540,7 @@ class Frontend:
         if placed is not None:
             self.router.view(d.name).requests[rid] = placed
         st.transfer_bytes = msg.export.nbytes
-        await d.socket.send(raw)
+        await d.link.send(raw)
 
     async def _acked(self, msg: ipc.TransferAck) -> None:
         rid = msg.request_id
@@ -549,13 +568,17 @@ class Frontend:
             for w in self.workers:
                 if not w.alive:
                     continue
-                if w.proc.poll() is not None:
-                    self._worker_died(w, f"worker {w.name} died (exit code {w.proc.returncode})")
+                if w.link.exit_reason() is not None:
+                    self._worker_died(w, f"worker {w.name} died ({w.link.exit_reason()})")
                 elif now - w.last_seen > self.worker_timeout:
                     self._worker_died(w, f"worker {w.name} stopped responding (no heartbeat for "
                                          f"{now - w.last_seen:.0f} s)")
-                    w.proc.kill()  # a stopped process that resumed would speak for requests it no longer has
+                    w.link.kill()  # a stopped process that resumed would speak for requests it no longer has
             await asyncio.sleep(0.1)
+
+    def _rejoining(self, w: WorkerHandle) -> None:
+        """A restarted Ray actor speaks again: take its new Ready (it loads the model anew)."""
+        w.dead, w.ready, w.state, w.last_seen = None, None, None, time.monotonic()
 
     def _worker_died(self, w: WorkerHandle, reason: str) -> None:
         w.alive, w.dead = False, reason
@@ -571,7 +594,8 @@ class Frontend:
         workers = []
         for w in self.workers:
             s = w.state if w.alive else None
-            workers.append({"name": w.name, "device": w.spec.spec, "state": w.status,
+            workers.append({"name": w.name, "device": w.spec.spec, "node": w.link.node if w.link else None,
+                            "pid": w.ready.pid if w.ready else None, "state": w.status,
                             **({"reason": w.dead} if w.dead else {}),
                             "running": s.running if s else 0, "waiting": s.waiting if s else 0,
                             "kv_pages_used": s.pages_used if s else 0,

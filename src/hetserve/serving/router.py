@@ -130,6 +130,12 @@ class WorkerView:
     cached: set[bytes] = field(default_factory=set)  # page hashes the worker has published
     requests: dict[str, Placed] = field(default_factory=dict)
 
+    def rejoin(self) -> None:
+        """A restarted worker: alive again, nothing cached, nothing placed."""
+        self.alive = True
+        self.cached.clear()
+        self.requests.clear()
+
     def cached_tokens(self, prompt_ids: list[int], cache_salt: str | None = None,
                       hashes: list[bytes] | None = None) -> int:
         """Leading full pages of the prompt that this worker has cached, as the worker's own

@@ -73,7 +73,8 @@ def run(args) -> int:
                         route_policy=args.route_policy, route_log=args.route_log, profiles=profiles,
                         measure_profiles=args.startup_profile, disaggregate=args.disaggregate,
                         transfer_bytes_per_s=args.kv_transfer_rate, tokenizer_processes=args.tokenizer_processes,
-                        tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout)
+                        tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout,
+                        ray_address=args.ray_address, ray_restarts=args.ray_restarts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -128,6 +129,11 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
                    help="seconds one tokenization or template rendering may take (then 400, process restarted)")
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="a worker silent for this long (no heartbeat) is declared dead: its requests fail (503)")
+    g = p.add_argument_group("Ray (ray:cpu, ray:cuda devices)")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster of ray: workers: auto, ray://host:port or host:port (default: start a local one)")
+    g.add_argument("--ray-restarts", type=int, default=0,
+                   help="times Ray restarts a dead worker actor; a restarted worker loads the model and rejoins")
     r = p.add_argument_group("routing (several --inference-device values)")
     r.add_argument("--route-policy", default=None,
                    help="cost (default with several workers), round-robin, least-loaded or force:<worker> "
