@@ -57,6 +57,8 @@ class _DisaggServer(_Server):
             cmd += ["--inference-device", d]
         if mode == "P@A/D@B":
             cmd += ["--disaggregate", f"prefill={names[0]},decode={names[1]}"]
+        if args.ray_address:
+            cmd += ["--ray-address", args.ray_address]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -200,6 +202,7 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
                    help="worker A then worker B. Default without a GPU: cpu:threads=1,weight_format=fp32 "
                         "then cpu:threads=1,weight_format=int8")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--ray-address", default=None, help="the Ray cluster of ray: devices (passed to the servers)")
     p.add_argument("--concurrency", type=int, default=4, help="requests sent at once per workload")
     p.add_argument("--long", type=int, default=512)
     p.add_argument("--short", type=int, default=64)

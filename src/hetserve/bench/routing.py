@@ -306,8 +306,10 @@ def main(args) -> int:
                               flush=True)
                 cases.append(case)
                 s = case["summary"]
+                route = f", routing {s['route_ms_median']:.3f} ms/request (p95 {s['route_ms_p95']:.3f})" \
+                    if "route_ms_median" in s else ""
                 print(f"{mode} {n} requests, {policy}, run {run}: completion {s['completion_s']:.2f}s, "
-                      f"{s['output_tok_s']:.1f} tok/s, per worker {s['per_worker']}", flush=True)
+                      f"{s['output_tok_s']:.1f} tok/s, per worker {s['per_worker']}{route}", flush=True)
             m = _median_summary(cases)
             rows.append((n, policy, m))
             report["cases"].append({"requests": n, "policy": policy, "median": m, "runs": cases})
