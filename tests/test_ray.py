@@ -13,10 +13,16 @@ import time
 
 import httpx
 import pytest
+from test_routing_server import (
+    PREFIX,
+    complete,
+    concurrent_completions,
+    one_worker_outputs,
+    routed,
+)
+from test_server import Server
 
 from hetserve.sampling_params import SamplingParams
-from test_routing_server import PREFIX, complete, concurrent_completions, one_worker_outputs, routed
-from test_server import Server
 
 ray = pytest.importorskip("ray", reason="Ray is not installed")
 

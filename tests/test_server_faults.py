@@ -47,19 +47,19 @@ def test_every_way_out_of_generate_releases_the_request(tiny_qwen2):
             return not fe.streams and not w.requests and not fe.router.view(w.name).requests
 
         try:
-            send, calls = w.socket.send, 0
+            send, calls = w.link.send, 0
 
             async def failing_send(frame):
                 nonlocal calls
                 calls += 1
                 raise RuntimeError("socket gone")
 
-            w.socket.send = failing_send
+            w.link.send = failing_send
             for _ in range(3):  # over the queue cap of 1 if a slot leaked
                 with pytest.raises(RuntimeError):
                     [d async for d in fe.generate([1, 2, 3], SamplingParams(max_tokens=2))]
                 assert clean()
-            w.socket.send = send
+            w.link.send = send
             assert calls >= 3
 
             with pytest.raises(ValueError):  # a pin to no worker: refused before any placement
