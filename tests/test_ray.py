@@ -154,3 +154,40 @@ def test_the_python_api_runs_ray_workers(tiny_qwen2, cluster):
         if llm is not None:
             llm.close()
         ray.shutdown()  # this test process joined the cluster as a driver
+
+
+def test_local_and_ray_workers_mix_and_a_lost_node_leaves_the_rest_serving(tiny_qwen2, cluster, tmp_path):
+    """A local worker beside a Ray worker on a node of its own; that node is then removed from the
+    cluster: its worker is declared dead with a 503 for its request, the local one serves on."""
+    node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
+    cluster.wait_for_nodes()
+    log = tmp_path / "route.jsonl"
+    s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--no-startup-profile",
+               "--ray-address", cluster.address, "--route-log", str(log), "--inference-device", "cpu:threads=1",
+               "--inference-device", "ray:cpu:threads=1,node=node_c", timeout=240)
+    try:
+        expected = one_worker_outputs(tiny_qwen2, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True))
+        results = concurrent_completions(s.url, PROMPTS)
+        assert [r["choices"][0]["text"] for r in results] == [o.text for o in expected]
+        nodes = {c["worker"]: c["node"] for c in routed(log)[0]["candidates"]}
+        assert nodes["cpu0"] == "local" and nodes["ray-cpu1"] == health(s)["ray-cpu1"]["node"] != "local"
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                doomed = asyncio.ensure_future(c.post(s.url + "/v1/completions", json={
+                    "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "worker": "ray-cpu1"}))
+                for _ in range(2000):
+                    await asyncio.sleep(0.005)
+                    if health(s)["ray-cpu1"]["running"] == 1:
+                        break
+                cluster.remove_node(node_c, allow_graceful=False)
+                return await doomed
+
+        doomed = asyncio.run(main())
+        assert doomed.status_code == 503 and "ray-cpu1" in doomed.json()["error"]["message"]
+        assert health(s)["ray-cpu1"]["state"] == "dead" and health(s)["cpu0"]["state"] == "up"
+        assert complete(s.url, [4, 5, 6], 3)["usage"]["completion_tokens"] == 3
+        wait_for(lambda: pages_used(s)["cpu0"] == 0)
+    finally:
+        assert s.stop() == 0
