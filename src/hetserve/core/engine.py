@@ -177,7 +177,8 @@ class EngineCore:
             self.scheduler.add(self.held.pop(rid))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.held) or bool(self.structured and self.structured.compiling)
+        compiling = self.structured is not None and bool(self.structured.compiling)
+        return self.scheduler.has_unfinished() or bool(self.held) or compiling
 
     def _grammars_ready(self) -> list[EngineOutput]:
         """Move requests whose grammar compiled into the scheduler; end those whose grammar failed."""
@@ -188,11 +189,7 @@ class EngineCore:
         outputs = []
         for req, why in failed:
             log.warning("request %s: its grammar failed (%s)", req.request_id, why)
-            self.requests.pop(req.request_id, None)
-            self.prefill_only.discard(req.request_id)
-            if req.block_ids:  # an installed request's imported pages
-                self.scheduler.free(req)
-            req.status = RequestStatus.FINISHED_ABORTED
+            self.abort(req.request_id)  # frees an installed request's imported pages too
             outputs.append(EngineOutput(req.request_id, [], True, RequestStatus.FINISHED_ABORTED.value))
         return outputs
 
@@ -219,8 +216,7 @@ class EngineCore:
                 self.structured.wait(0.05)  # nothing to run but grammars compiling
             return outputs
         spec = self.speculation
-        constrain = self.structured.valid_prefix if self.structured is not None else None
-        draft_seconds = spec.before_forward(sched, self.prefill_only, constrain) if spec is not None else []
+        draft_seconds = spec.before_forward(sched, self.prefill_only) if spec is not None else []
         t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
             sampled = self.runner.execute(sched.scheduled)
@@ -239,13 +235,7 @@ class EngineCore:
                 if got.logprobs:
                     req.logprobs.append(got.logprobs[j])
                     new_logprobs.append(got.logprobs[j])
-                status = self._stop_status(req, token)
-                # A complete grammar allows nothing but the end: the request ends there, as it
-                # would alone (a refused token cannot happen, every pick is masked; it ends the
-                # request rather than let it run unconstrained).
-                if status is None and req.grammar is not None and \
-                        (not req.grammar.commit([token]) or req.grammar.finished):
-                    status = RequestStatus.FINISHED_STOPPED
+                status = self._token_committed(req, token)
                 if status is not None:
                     break
             # The last token and the accepted drafts have verified KV; rejected drafts' KV is dropped.
@@ -302,13 +292,19 @@ class EngineCore:
         """Engine-wide speculation counters (empty without a draft model)."""
         return self.speculation.stats() if self.speculation is not None else {}
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def _token_committed(self, req: Request, token: int) -> RequestStatus | None:
+        """`token` joined the request's output: the status it ends the request with, if any."""
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        # The token goes into the request's grammar. A complete grammar allows nothing but the end:
+        # the request ends there, as it would alone (a refused token cannot happen, every pick is
+        # masked; it ends the request rather than let it run unconstrained).
+        if req.grammar is not None and (not req.grammar.commit([token]) or req.grammar.finished):
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     # -- introspection ---------------------------------------------------------------------------

@@ -76,12 +76,11 @@ class Speculation:
         return self._wanted_draft_len(req)
 
     # -- the step --------------------------------------------------------------------------------
-    def before_forward(self, sched, prefill_only: set[str], constrain=None) -> list[float]:
-        """The draft's reads and proposals for this step. constrain(req, drafts) -> how many of the
-        drafts a request's grammar accepts (structured outputs), None if unconstrained. Returns
-        the draft forward timings for `after_forward`."""
+    def before_forward(self, sched, prefill_only: set[str]) -> list[float]:
+        """The draft's reads and proposals for this step. Returns the draft forward timings for
+        `after_forward`."""
         self._draft_prefill(sched, prefill_only)
-        return self._propose(sched, constrain) if sched.num_drafts else []
+        return self._propose(sched) if sched.num_drafts else []
 
     def after_forward(self, sched, seconds: float, draft_seconds: list[float]) -> None:
         """Feed the cost policy the step's measured forward time."""
@@ -135,7 +134,7 @@ class Speculation:
             with trace.span("draft prefill", requests=len(batch)):
                 self.proposer.prefill(batch)
 
-    def _propose(self, sched, constrain) -> list[float]:
+    def _propose(self, sched) -> list[float]:
         """Draft tokens for the requests scheduled with K > 0. Returns, when the round measured
         decoding alone (no long catch-up over a prompt), the seconds of its first draft forward
         and the mean of the others (if any), for the cost policy; else []."""
@@ -145,9 +144,9 @@ class Speculation:
             proposals = self.proposer.propose(batch, self.runner.row_for, self.policy.keep_drafting())
         for req, _ in batch:
             prop = proposals[req.request_id]
-            # A draft is cut at its first token the request's grammar forbids.
-            valid = constrain(req, prop.tokens) if constrain is not None else None
-            if valid is not None and valid < len(prop.tokens):
+            # A draft is cut at its first token the request's grammar (structured outputs) forbids.
+            valid = req.grammar.valid_prefix(prop.tokens) if req.grammar is not None else len(prop.tokens)
+            if valid < len(prop.tokens):
                 prop.tokens = prop.tokens[:valid]
                 prop.probs = prop.probs[:valid] if prop.probs is not None and valid else None
             req.spec_token_ids, req.draft_probs = prop.tokens, prop.probs

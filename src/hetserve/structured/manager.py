@@ -54,8 +54,3 @@ class StructuredOutputManager:
         if self.compiling:
             concurrent.futures.wait([f for _, f, _ in self.compiling.values()], timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-
-    @staticmethod
-    def valid_prefix(req, drafts: list[int]) -> int | None:
-        """For speculation: how many drafts the request's grammar accepts (None: unconstrained)."""
-        return req.grammar.valid_prefix(drafts) if req.grammar is not None else None
