@@ -1,5 +1,6 @@
-"""Grammar compilation for one engine: llguidance's tokenizer view (built once, lazily), a bounded
-cache of compiled grammars, and a thread that compiles so the step loop never waits for one."""
+"""Grammar compilation for one engine: llguidance's tokenizer view (built once, while the model
+loads), a bounded cache of compiled grammars, and a thread that compiles so the step loop never
+waits for one."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from .params import StructuredOutputError, StructuredOutputs, parser_limits
 log = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(tokenizer_json: str, vocab_size: int, stops: tuple[int, ...]) -> llguidance.LLTokenizer:
-    """About a second for a 152k vocabulary, holding the GIL all along: built once per process and
-    tokenizer, while the model loads (GrammarCompiler.wait_ready), never while requests decode."""
+def build_tokenizer(tokenizer_json: str, vocab_size: int, stops: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """About a second for a 152k vocabulary, holding the GIL all along: engines build it once per
+    process and tokenizer (`_tokenizer`), while the model loads (GrammarCompiler.wait_ready),
+    never while requests decode."""
     t = time.perf_counter()
     tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stops))
     log.info("grammar tokenizer built in %.2f s", time.perf_counter() - t)
     return tok
+
+
+_tokenizer = functools.lru_cache(maxsize=4)(build_tokenizer)
 
 
 class GrammarCompiler:
@@ -39,7 +43,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._tokenizer = self._pool.submit(_tokenizer, tokenizer_json, vocab_size, tuple(sorted(stop_token_ids)))
-        self.compile_seconds: list[float] = []  # of compiles that missed the cache (bench structured)
 
     def wait_ready(self) -> None:
         self._tokenizer.result()
@@ -59,16 +62,11 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(grammar)
                 return template.deep_copy()
-        t = time.perf_counter()
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if template.is_error():
             raise StructuredOutputError(f"invalid {spec.kind}: {template.get_error()[:500]}", spec.field)
-        self.compile_seconds.append(time.perf_counter() - t)
         with self._lock:
             self._cache[grammar] = template
             while len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
         return template.deep_copy()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

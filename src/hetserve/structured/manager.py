@@ -5,13 +5,10 @@ while their grammar compiles on the compiler's thread; then they go on with a `G
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from concurrent.futures import Future
 
 from .compiler import GrammarCompiler
 from .matcher import GrammarState
-
-log = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
