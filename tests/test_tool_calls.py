@@ -107,7 +107,7 @@ def _accepts(lltok, spec, text: str) -> bool:
 ])
 def test_the_call_grammar(lltok, choice, parallel, text, ok):
     """Literal markers here (the tiny vocabulary has no <tool_call> token)."""
-    spec = tools(choice=choice, parallel=parallel).constraint(json.dumps)
+    spec = tools(choice=choice, parallel=parallel).constraint(lltok[0])
     assert _accepts(lltok, spec, text) is ok
 
 

@@ -160,8 +160,7 @@ def _tool_accuracy(llm, max_tokens: int) -> dict:
     out = {}
     for mode in ("unconstrained", "auto", "required"):
         tools = tool_calls.Tools.parse(TOOLS, None if mode != "required" else "required", False)
-        tag = lambda t: t if llm.tokenizer.token_to_id(t) is not None else json.dumps(t)  # noqa: E731
-        spec = tools.constraint(tag) if mode != "unconstrained" else None
+        spec = tools.constraint(llm.tokenizer) if mode != "unconstrained" else None
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}], tools=tools.template_tools)
                    for p, _, _ in TOOL_PROMPTS]
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=spec),

@@ -260,13 +260,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             if structured is not None:
                 raise StructuredOutputError(f"{structured.field} and tools both constrain the output; give one",
                                             structured.field)
-            return tools.constraint(tool_tag)
+            return tools.constraint(fe.tokenizer)
         except (StructuredOutputError, tool_calls.ToolError) as e:
             raise APIError(400, str(e), e.field) from None
-
-    def tool_tag(text: str) -> str:
-        """A call marker in a grammar: the vocabulary's own token where it has one, else literal text."""
-        return text if fe.tokenizer.token_to_id(text) is not None else json.dumps(text)
 
     async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool,
                      tools: tool_calls.Tools | None = None):
@@ -439,7 +435,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 if job.tools is not None:
                     content, calls = tool_calls.parse(choice["message"]["content"], job.tools)
                     choice["message"].update(content=content, tool_calls=calls)
-                    finish = "tool_calls" if calls and finish == "stop" else finish
+                    finish = tool_calls.finish_reason(finish, bool(calls))
             choice.update(body)
             choice["finish_reason"] = finish
             choice["hetserve"] = _served_by(last)
@@ -522,8 +518,8 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                             c["delta"]["tool_calls"] = [{"index": base + i, **call} for i, call in enumerate(calls)]
                     c.update(body)
                     finish = "length" if job.score_only else d.finish_reason
-                    if job.tools is not None and streams[job.index].num_calls and finish == "stop":
-                        finish = "tool_calls"
+                    if job.tools is not None:
+                        finish = tool_calls.finish_reason(finish, bool(streams[job.index].num_calls))
                     c["finish_reason"] = finish if d.finished else None
                     yield chunk([c], served_by=_served_by(d) if d.finished else None)
                     # One loop pass per chunk: a client that left is then seen (its transport's

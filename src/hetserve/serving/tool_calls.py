@@ -79,9 +79,12 @@ class Tools:
         return cls(functions, choice, parallel_tool_calls is not False, shown)
 
     # -- the constraint ------------------------------------------------------------------------
-    def constraint(self, tag) -> StructuredOutputs:
-        """The Lark grammar of this request's calls. tag(text): the grammar's spelling of the
-        call markers (a special token `<tool_call>` where the vocabulary has one, else a literal)."""
+    def constraint(self, tokenizer) -> StructuredOutputs:
+        """The Lark grammar of this request's calls. A call marker is the vocabulary's own token
+        (`<tool_call>` in the Qwen2.5 family) where `tokenizer` has one, else literal text."""
+        def tag(text: str) -> str:
+            return text if tokenizer.token_to_id(text) is not None else json.dumps(text)
+
         names = [self.choice] if self.choice not in ("auto", "required") else list(self.functions)
         lines = ["%llguidance {}"]
         for i, name in enumerate(names):
@@ -146,6 +149,11 @@ def _lenient(text: str, tools: Tools) -> list[dict]:
     objs = obj if isinstance(obj, list) else [obj]
     calls = [_call(o, tools) for o in objs]
     return calls if calls and all(calls) else []
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended by itself with calls in it."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
@@ -227,10 +235,12 @@ class ToolStream:
         out = "".join(content)
         if not self.said_anything:  # leading whitespace waits: dropped if only calls follow
             out, self.lead = self.lead + out, ""
-            if not out.strip():
-                out, self.lead = ("" if self.num_calls or calls else out, "") if final else ("", out)
-            else:
+            if out.strip():
                 self.said_anything = True
+            elif not final:
+                out, self.lead = "", out
+            elif self.num_calls or calls:
+                out = ""
         self.num_calls += len(calls)
         return out, calls
 
