@@ -160,6 +160,7 @@ class Frontend:
         self.worker_timeout = worker_timeout
         self.metrics = Metrics()
         self.workers: list[WorkerHandle] = []
+        self._named: dict[str, WorkerHandle] = {}  # the same workers by name (routing, every frame)
         self.streams: dict[str, _Stream] = {}
         self.draining = False
         self._ids = itertools.count()
@@ -205,6 +206,7 @@ class Frontend:
             else:
                 w.link = LocalLink(self._ctx, spec)
             self.workers.append(w)
+            self._named[w.name] = w
         self._tasks.append(asyncio.create_task(self._output_loop()))
         deadline = time.monotonic() + self.startup_timeout
         while not all(w.ready for w in self.workers):
@@ -328,11 +330,11 @@ class Frontend:
             "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
             "candidates": [{**c.as_dict(), "node": self._node(c.worker)} for c in d.candidates],
             **({"split": split.as_dict()} if split else {})})
-        return next(w for w in self.workers if w.name == choice), split.decode if split else None
+        return self._named[choice], split.decode if split else None
 
     def _node(self, worker: str) -> str:
         """Where a worker runs: `local`, or its Ray node's id."""
-        return next(w.link.node for w in self.workers if w.name == worker)
+        return self._named[worker].link.node
 
     def _log_route(self, entry: dict) -> None:
         """A routing decision or KV transfer: to --route-log and the dashboard's recent list."""
@@ -367,7 +369,7 @@ class Frontend:
             if fixed:
                 decode = fixed[1]
             if decode is not None and decode != w.name:
-                st.decode = next(x for x in self.workers if x.name == decode)
+                st.decode = self._named[decode]
                 if not st.decode.alive:
                     st.done = True
                     raise ServiceUnavailable(f"decode worker {decode} is down")
@@ -436,7 +438,7 @@ class Frontend:
             raw = await self._inbox.recv()
             try:
                 msg = ipc.decode(raw, ipc.TO_FRONTEND)
-                w = next((w for w in self.workers if w.name == msg.worker), None)
+                w = self._named.get(msg.worker)
                 if w is not None and w.dead and w.link.restarted():
                     self._rejoining(w)
                 if w is None or w.dead:
@@ -524,7 +526,7 @@ class Frontend:
         """Forward a prefill worker's KV to the request's decode worker (the same bytes)."""
         rid = msg.export.request_id
         st = self.streams.get(rid)
-        p = next((w for w in self.workers if w.name == msg.worker), None)
+        p = self._named.get(msg.worker)
         if st is None or st.done or st.decode is None or st.holder is not p:
             if p is not None and p.alive:  # nobody waits for it: free the pages
                 await p.link.send(ipc.encode(ipc.Abort(rid, False)))

@@ -68,6 +68,7 @@ class RayLink:
         self._push.connect(inbox)
         self.dead: str | None = None
         self._restarts = 0
+        self._rejoined = False  # a restarted actor spoke again; restarted() reports it once
         self.max_restarts = ray_options.get("max_restarts", 0)
         self._pump = asyncio.get_event_loop().create_task(self._pump_frames())
 
@@ -89,8 +90,6 @@ class RayLink:
                     return
                 await asyncio.sleep(0.5)  # Ray is restarting it: ask again
                 continue
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # e.g. the cluster went away
                 self.dead = f"its Ray actor is unreachable ({type(e).__name__}: {str(e)[:200]})"
                 return
@@ -100,8 +99,6 @@ class RayLink:
                 self._rejoined = True
             for f in frames:
                 await self._push.send(f)
-
-    _rejoined = False
 
     def restarted(self) -> bool:
         """True once after a restarted actor spoke again (the frontend then accepts its new Ready)."""
