@@ -67,6 +67,23 @@ def wait_for(pred, timeout=30.0):
         time.sleep(0.1)
 
 
+async def killed_mid_request(server, worker: str, kill, others_on: str | None = None):
+    """A long request pinned to `worker`, three short ones on `others_on`; `kill()` once the long
+    one runs. Returns (the long one's response, the short ones')."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        doomed = asyncio.ensure_future(c.post(server.url + "/v1/completions", json={
+            "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "worker": worker}))
+        others = [asyncio.ensure_future(c.post(server.url + "/v1/completions", json={
+            "prompt": [i + 5, 6, 7], "max_tokens": 60, "ignore_eos": True, "worker": others_on}))
+            for i in range(3)] if others_on else []
+        for _ in range(2000):
+            await asyncio.sleep(0.005)
+            if health(server)[worker]["running"] == 1:
+                break
+        kill()
+        return await doomed, await asyncio.gather(*others)
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_qwen2, cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("ray") / "route.jsonl"
@@ -100,21 +117,8 @@ def test_a_cached_prefix_draws_the_request_to_its_node(pair):
 def test_a_killed_actor_fails_its_requests_the_rest_finish_and_it_rejoins(pair):
     pid = health(pair)["ray-cpu1"]["pid"]
 
-    async def main():
-        async with httpx.AsyncClient(timeout=120) as c:
-            doomed = asyncio.ensure_future(c.post(pair.url + "/v1/completions", json={
-                "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "worker": "ray-cpu1"}))
-            others = [asyncio.ensure_future(c.post(pair.url + "/v1/completions", json={
-                "prompt": [i + 5, 6, 7], "max_tokens": 60, "ignore_eos": True, "worker": "ray-cpu0"}))
-                for i in range(3)]
-            for _ in range(2000):
-                await asyncio.sleep(0.005)
-                if health(pair)["ray-cpu1"]["running"] == 1:
-                    break
-            os.kill(pid, signal.SIGKILL)
-            return await doomed, await asyncio.gather(*others)
-
-    doomed, others = asyncio.run(main())
+    doomed, others = asyncio.run(killed_mid_request(pair, "ray-cpu1", lambda: os.kill(pid, signal.SIGKILL),
+                                                    others_on="ray-cpu0"))
     assert doomed.status_code == 503 and "ray-cpu1" in doomed.json()["error"]["message"]
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60 for r in others)
     assert httpx.get(pair.url + "/health").status_code == 200
@@ -173,18 +177,8 @@ def test_local_and_ray_workers_mix_and_a_lost_node_leaves_the_rest_serving(tiny_
         nodes = {c["worker"]: c["node"] for c in routed(log)[0]["candidates"]}
         assert nodes["cpu0"] == "local" and nodes["ray-cpu1"] == health(s)["ray-cpu1"]["node"] != "local"
 
-        async def main():
-            async with httpx.AsyncClient(timeout=120) as c:
-                doomed = asyncio.ensure_future(c.post(s.url + "/v1/completions", json={
-                    "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "worker": "ray-cpu1"}))
-                for _ in range(2000):
-                    await asyncio.sleep(0.005)
-                    if health(s)["ray-cpu1"]["running"] == 1:
-                        break
-                cluster.remove_node(node_c, allow_graceful=False)
-                return await doomed
-
-        doomed = asyncio.run(main())
+        doomed, _ = asyncio.run(killed_mid_request(s, "ray-cpu1",
+                                                   lambda: cluster.remove_node(node_c, allow_graceful=False)))
         assert doomed.status_code == 503 and "ray-cpu1" in doomed.json()["error"]["message"]
         assert health(s)["ray-cpu1"]["state"] == "dead" and health(s)["cpu0"]["state"] == "up"
         assert complete(s.url, [4, 5, 6], 3)["usage"]["completion_tokens"] == 3
