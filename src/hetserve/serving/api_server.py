@@ -43,19 +43,31 @@ class ClientGone(Exception):
     """The client closed the connection before its answer: nothing to send, one log line."""
 
 
-async def watched(request: Request, work):
-    """Await tokenizer work, dropping it as soon as the client is gone (a queued job then never
-    runs: abandoned requests must not hold the tokenizer for the ones still waiting)."""
-    task = asyncio.ensure_future(work)
+async def unless_gone(request: Request, *work):
+    """The results of `work` (awaitables run together); a client that leaves first cancels all of it and gets
+    ClientGone. Starlette cancels only a stream whose client leaves, so this awaits the ASGI disconnect message
+    itself: an answer stops at once, not at the next poll (a 0.2 s poll let a short answer run to its end), and an
+    abandoned tokenizer job that is still queued never runs (it must not hold the tokenizer for the others)."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+
+    async def disconnected():  # the body is read by now: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
+        pending = {listener, *tasks}
+        while pending - {listener}:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if listener in done:
                 raise ClientGone()
+            for t in done:
+                t.result()  # the first failure ends the whole (the others are cancelled below)
+        return [t.result() for t in tasks]
     finally:
-        task.cancel()
+        for t in (listener, *tasks):
+            t.cancel()
+        await asyncio.gather(listener, *tasks, return_exceptions=True)
 
 
 class APIError(Exception):
@@ -223,13 +235,16 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     async def _encode_chat(request: Request, msgs: list[dict], add_generation_prompt: bool,
                            for_context: bool = True, tools: list[dict] | None = None) -> list[int]:
         try:
-            return await watched(request, fe.encode_chat(msgs, add_generation_prompt, tools, for_context=for_context))
+            ids, = await unless_gone(request, fe.encode_chat(msgs, add_generation_prompt, tools,
+                                                             for_context=for_context))
+            return ids
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "messages") from None
 
     async def _encode(request: Request, text: str, parse_special: bool, for_context: bool = True) -> list[int]:
         try:
-            return await watched(request, fe.encode(text, parse_special, for_context))
+            ids, = await unless_gone(request, fe.encode(text, parse_special, for_context))
+            return ids
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "prompt") from None
 
@@ -398,32 +413,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
             return "".join(text), toks, lps, last, prompt_lps
 
-        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
-
-        gone = False
-
-        async def watch():  # a client that goes away cancels the work
-            nonlocal gone
-            while True:
-                if await request.is_disconnected():
-                    gone = True
-                    for t in tasks:
-                        t.cancel()
-                    return
-                await asyncio.sleep(0.2)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if gone:
-                raise ClientGone() from None
-            raise
-        finally:
-            watcher.cancel()
+        results = await unless_gone(request, *(one(j) for j in jobs))
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         seen_prompts = set()
         for (text, toks, lps, last, prompt_lps), job in zip(results, jobs):

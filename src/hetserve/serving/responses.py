@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
-from .api_server import APIError, ClientGone, sse_data, watched
+from .api_server import APIError, sse_data, unless_gone
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
 from .protocol import MAX_MESSAGES, _Body
 
@@ -190,7 +190,7 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
         if not msgs:
             raise APIError(400, "input must not be empty", "input")
         try:  # the helper the chat route renders with (off the event loop, with a time budget)
-            ids = await watched(request, fe.encode_chat(msgs, add_generation_prompt=True))
+            ids, = await unless_gone(request, fe.encode_chat(msgs, add_generation_prompt=True))
         except ValueError as e:  # the template's or tokenizer's refusal (TokenizeFailed is one)
             raise APIError(400, str(e), "input") from None
         try:
@@ -292,28 +292,7 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
                 last = d
             return "".join(parts), last, n
 
-        task = asyncio.ensure_future(collect())
-
-        gone = False
-
-        async def watch():  # a client that goes away cancels the work (Starlette only does so for streams)
-            nonlocal gone
-            while not task.done():
-                if await request.is_disconnected():
-                    gone = True
-                    task.cancel()
-                    return
-                await asyncio.sleep(0.2)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            text, last, n = await task
-        except asyncio.CancelledError:
-            if gone:
-                raise ClientGone() from None
-            raise
-        finally:
-            watcher.cancel()
+        (text, last, n), = await unless_gone(request, collect())
         return finish(text, last, n)
 
     @app.get("/v1/responses/{response_id}")
