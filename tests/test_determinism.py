@@ -96,6 +96,15 @@ def test_kernel_variants_give_the_same_bits(variant):
                 assert all(torch.equal(a, c) for a, c in zip(getattr(ours, f"quantize_{fmt}")(w), q))
                 linear = f"{fmt}_linear"
                 assert torch.equal(getattr(ours, linear)(x, *q, b), getattr(portable, linear)(x, *q, b))
+    from test_weight_formats import file_format
+
+    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
+        qw = file_format(fmt, 67, k, seed=k)[0]
+        b = torch.randn(67)
+        for m in (1, 2, 3, 4, 5, 17):
+            x = torch.randn(m, k)
+            args = (x, qw.q, qw.scale, b)
+            assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
 
 
 def test_forced_variant(monkeypatch):

@@ -1,13 +1,19 @@
-"""Weight formats for linear layers: fp32 (exact) and the CPU integer formats int8 and int4.
+"""Weight formats for linear layers: fp32 (exact), the CPU integer formats int8 and int4, and
+q5_0 / q6_k, a GGUF's own Q5_0 and Q6_K blocks.
 
 int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127;
       GGUF Q8_0/Q5_0/Q4_0 blocks are taken as they are, see `int8_from_integers`).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
       two values per byte.
-Both store each row in blocks of 4 groups whose elements are interleaved for the kernel
-(`group_values` restores element order).
-Both run in the package's AVX2 extension (native.py, csrc/qlinear.cpp), which quantizes each
+q5_0: Q5_0 as the file holds it (w = (q - 16) * scale, q in 0..31), at its 5.5 bits a weight.
+q6_k: Q6_K as the file holds it (w = (q - 32) * sub * d, q in 0..63, an int8 sub-scale per 16
+      weights and an fp16 d per 256), at its 6.5625 bits a weight.
+All store each row in blocks of 4 groups whose elements are interleaved for the kernel
+(`group_values` restores element order; csrc/qlinear.cpp gives each block's bytes).
+All run in the package's extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
+`gguf` is not a stored format but a choice per tensor: the kernel format that holds the file's
+blocks as they are (Q4_0/Q4_K: int4; Q5_0: q5_0; Q6_K: q6_k; Q8_0: int8), int8 for the rest.
 """
 
 from __future__ import annotations
@@ -65,20 +71,47 @@ class QuantizedWeight:
         x = x.float().contiguous()
         if self.fmt == "int8":
             return kernels().int8_linear(x, self.q, self.scale, bias)
-        return kernels().int4_linear(x, self.q, self.scale, self.min, bias)
+        if self.fmt == "int4":
+            return kernels().int4_linear(x, self.q, self.scale, self.min, bias)
+        if self.fmt == "q5_0":
+            return kernels().q5_0_linear(x, self.q, self.scale, bias)
+        return kernels().q6_k_linear(x, self.q, self.scale, bias)
+
+    @property
+    def groups(self) -> int:
+        return self.scale.shape[1] * (8 if self.fmt == "q6_k" else 1)
 
     def group_values(self) -> torch.Tensor:
-        """The integer weights as [n, groups, 32] in element order."""
-        n, groups = self.scale.shape
-        q = self.q
-        if self.fmt == "int4":  # bytes 32h .. 32h + 31 of a block: vector 2h low, 2h + 1 high nibbles
-            halves = q.view(n, -1, 2, 1, 32)
-            q = torch.cat([halves & 0x0F, halves >> 4], dim=3).view(n, -1)
-        return q[:, _element_positions(groups, q.device)].view(n, groups, GROUP)
+        """The integer weights as [n, groups, 32] in element order, such that w = value * group
+        scale (+ min for int4): q5_0's q - 16, q6_k's (q - 32) * sub."""
+        n, groups = self.q.shape[0], self.groups
+        blocks = -(-groups // 4)
+        b = self.q.view(n, blocks, -1)
+        if self.fmt == "int8":
+            values = self.q
+        else:  # bytes 32h .. 32h + 31 of a block: vector 2h low, 2h + 1 high nibbles
+            halves = b[:, :, :64].reshape(n, blocks, 2, 1, 32)
+            values = torch.cat([halves & 0x0F, halves >> 4], dim=3).view(n, blocks, 4, 32)
+            if self.fmt == "q5_0":  # word v's bit i: the 5th bit of vector v's byte i
+                bits = (b[:, :, 64:80].reshape(n, blocks, 4, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+                values = (values | (bits.view(n, blocks, 4, 32) << 4)).to(torch.int16) - 16
+            elif self.fmt == "q6_k":  # byte i's bits 2v, 2v + 1: the top of vector v's byte i
+                shifts = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
+                top = (b[:, :, 64:96].reshape(n, blocks, 1, 32) >> shifts) & 3
+                sub = b[:, :, 96:104].view(torch.int8).view(n, blocks, 2, 4).to(torch.int16)
+                half_of_vector = torch.tensor([0, 0, 1, 1])  # vectors 0, 1: first 16 weights; 2, 3: last 16
+                lane_group = torch.arange(32) // 4 % 4  # the group a byte of a vector belongs to
+                values = ((values | (top << 4)).to(torch.int16) - 32) * sub[:, :, half_of_vector][..., lane_group]
+            values = values.reshape(n, -1)
+        return values[:, _element_positions(groups, self.q.device)].view(n, groups, GROUP)
+
+    def group_scales(self) -> torch.Tensor:
+        """The fp16 scale of each group, [n, groups] (q6_k stores one per 8 groups)."""
+        return self.scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else self.scale
 
     def dequantize(self) -> torch.Tensor:
         n = self.q.shape[0]
-        w = self.group_values().float() * self.scale.float()[..., None]
+        w = self.group_values().float() * self.group_scales().float()[..., None]
         if self.fmt == "int4":
             w = w + self.min.float()[..., None]
         return w.view(n, -1)
@@ -86,6 +119,38 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
+
+
+@dataclass
+class StackedWeight:
+    """A linear whose consecutive row blocks hold different formats (a fused QKV whose V is Q6_K in
+    the file and Q, K Q4_K): each block runs its own kernel and the outputs sit side by side."""
+    parts: list[QuantizedWeight]
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(dict.fromkeys(p.fmt for p in self.parts))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.cat([p.matmul(x, None) for p in self.parts], dim=1)
+        return y if bias is None else y.add_(bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
+    """Row blocks of one linear as one weight: one tensor set where they share a format (every
+    format stores row by row), a StackedWeight where they do not."""
+    if len({p.fmt for p in parts}) > 1:
+        return StackedWeight(parts)
+    first = parts[0]
+    return QuantizedWeight(first.fmt, *(None if t is None else torch.cat([getattr(p, f) for p in parts])
+                                        for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
 
 
 def _element_positions(groups: int, device: torch.device) -> torch.Tensor:
@@ -117,13 +182,54 @@ def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) 
     if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or min.shape != scale.shape:
         raise ValueError(f"int4 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scale and min "
                          f"[N, K/{GROUP}]")
-    groups = k // GROUP
-    blocks = -(-groups // 4)
-    values = torch.zeros(n, blocks * 4 * GROUP, dtype=torch.uint8)  # interleaved, one value a byte
-    values[:, _element_positions(groups, q.device)] = q.contiguous()
-    v = values.view(n, blocks, 2, 2, 32)  # vectors 2h and 2h + 1 share bytes 32h .. 32h + 31
-    packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n, blocks * 2 * GROUP)
+    packed = _nibble_bytes(_interleave(q)).view(n, -1)
     return QuantizedWeight("int4", packed.contiguous(), scale.contiguous(), min.contiguous())
+
+
+def _interleave(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] one value a byte in element order -> [N, blocks, 4, 32] in the kernels' interleaved
+    order (zero padding groups)."""
+    n, k = q.shape
+    groups = k // GROUP
+    values = torch.zeros(n, -(-groups // 4) * 4 * GROUP, dtype=q.dtype)
+    values[:, _element_positions(groups, q.device)] = q.contiguous()
+    return values.view(n, -1, 4, 32)
+
+
+def _nibble_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[N, blocks, 4, 32] -> [N, blocks, 64]: vectors 2h and 2h + 1 share bytes 32h .. 32h + 31."""
+    v = values & 0x0F
+    return (v[:, :, 0::2] | (v[:, :, 1::2] << 4)).flatten(2)
+
+
+def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """The q5_0 format from a GGUF's Q5_0 blocks: q uint8 [N, K] (0..31) in element order and the
+    block scales fp16 [N, K / 32] (w = (q - 16) * scale)."""
+    n, k = q.shape
+    if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or scale.dtype != torch.float16:
+        raise ValueError(f"q5_0 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scales")
+    values = _interleave(q)
+    bits = ((values >> 4) & 1).view(n, values.shape[1], 4, 4, 8) << torch.arange(8, dtype=torch.uint8)
+    words = bits.sum(-1, dtype=torch.uint8).flatten(2)  # 4 little-endian words: bit i <- byte i
+    packed = torch.cat([_nibble_bytes(values), words], dim=2).view(n, -1)
+    return QuantizedWeight("q5_0", packed.contiguous(), scale.contiguous())
+
+
+def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
+    """The q6_k format from a GGUF's Q6_K blocks: q uint8 [N, K] (0..63) in element order, the
+    sub-scales int8 [N, K / 16] and d fp16 [N, K / 256] (w = (q - 32) * sub * d)."""
+    n, k = q.shape
+    if k % 256 or q.dtype != torch.uint8 or sub.shape != (n, k // 16) or sub.dtype != torch.int8 or \
+            d.shape != (n, k // 256) or d.dtype != torch.float16:
+        raise ValueError("q6_k integers must be uint8 [N, K], K a multiple of 256, with int8 sub-scales "
+                         "[N, K/16] and fp16 d [N, K/256]")
+    values = _interleave(q)
+    blocks = values.shape[1]
+    top = ((values >> 4) & 3) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    top = top.sum(2, dtype=torch.uint8)  # [N, blocks, 32]: byte i's bits 2v, 2v + 1 <- vector v's byte i
+    subs = sub.view(n, blocks, 4, 2).transpose(2, 3).reshape(n, blocks, 8).view(torch.uint8)
+    packed = torch.cat([_nibble_bytes(values), top, subs], dim=2).view(n, -1)
+    return QuantizedWeight("q6_k", packed.contiguous(), d.contiguous())
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:

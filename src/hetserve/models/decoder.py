@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
 
 from .. import trace
 from ..layers import native
@@ -21,10 +22,20 @@ from ..layers.attention import AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
-from ..layers.weight_formats import GROUP, QuantizedWeight, int4_from_integers, int8_from_integers, quantize
+from ..layers.weight_formats import (
+    GROUP,
+    QuantizedWeight,
+    StackedWeight,
+    int4_from_integers,
+    int8_from_integers,
+    q5_0_from_integers,
+    q6_k_from_integers,
+    quantize,
+    stack,
+)
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
-from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks
+from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks, q6_k_blocks
 
 
 @dataclass
@@ -46,28 +57,47 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _file_quantized(f: GGUFFile, lin: Linear, fmt: str) -> QuantizedWeight | None:
-    """The linear's weight in `fmt` built from the file's own blocks (int8: Q8_0/Q5_0/Q4_0;
-    int4: Q4_0/Q4_K; gguf: whichever of the two holds them), or None where a source tensor
-    has another type (or the linear keeps only some of its rows)."""
-    if not lin.source:
-        return None
-    types = {f.tensors[n].qtype for n, _ in lin.source}
-    if fmt in ("int4", "gguf") and types <= NIBBLE_BLOCK_TYPES:
-        decode, build = nibble_blocks, int4_from_integers
-    elif fmt in ("int8", "gguf") and types <= INTEGER_BLOCK_TYPES:
-        decode, build = integer_blocks, int8_from_integers
-    else:
-        return None
-    parts = []
-    for name, heads in lin.source:
-        info = f.tensors[name]
-        arrays = decode(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
-        parts.append([_unpermute_qk(a, heads) for a in arrays] if heads else arrays)
-    arrays = [torch.cat(column) for column in zip(*parts)]
-    if arrays[0].shape != lin.weight.shape:
-        return None
-    return build(*arrays)
+def _exact_format(fmt: str, qtype: T) -> str | None:
+    """The kernel format that holds a tensor of `qtype` as the file stores it, under --weight-format
+    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_K with fp16 scales; gguf: the closest of all), or None."""
+    if fmt == "gguf" and qtype in (T.Q5_0, T.Q6_K):
+        return qtype.name.lower()
+    if fmt in ("int4", "gguf") and qtype in NIBBLE_BLOCK_TYPES:
+        return "int4"
+    if fmt in ("int8", "gguf") and qtype in INTEGER_BLOCK_TYPES:
+        return "int8"
+    return None
+
+
+# Kernel format: the file's blocks as row-indexed arrays, and the format built from those arrays.
+_FROM_BLOCKS = {
+    "int8": (integer_blocks, int8_from_integers),
+    "int4": (nibble_blocks, int4_from_integers),
+    "q5_0": (integer_blocks, lambda q, d: q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)),
+    "q6_k": (q6_k_blocks, q6_k_from_integers),
+}
+
+
+def _quantized(f: GGUFFile | None, lin: Linear, fmt: str) -> QuantizedWeight | StackedWeight:
+    """The linear's weight in `fmt`, each source tensor's rows built from the file's own blocks
+    where a kernel format holds them (`_exact_format`) and quantized from fp32 where none does
+    (gguf: to int8), or all of it quantized where the linear keeps only some of its sources' rows."""
+    fallback = "int8" if fmt == "gguf" else fmt
+    infos = [f.tensors[n] for n, _ in lin.source] if f is not None else []
+    if not infos or sum(i.shape[0] for i in infos) != lin.weight.shape[0] or \
+            any(tuple(i.shape[1:]) != tuple(lin.weight.shape[1:]) for i in infos):
+        return quantize(lin.weight, fallback)
+    parts, row = [], 0
+    for (name, heads), info in zip(lin.source, infos):
+        target = _exact_format(fmt, info.qtype)
+        if target is None:
+            parts.append(quantize(lin.weight[row:row + info.shape[0]], fallback))
+        else:
+            decode, build = _FROM_BLOCKS[target]
+            arrays = decode(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
+            parts.append(build(*(_unpermute_qk(a, heads) if heads else a for a in arrays)))
+        row += info.shape[0]
+    return stack(parts)
 
 
 _SHORT_NAMES = {"attn_output": "o", "ffn_down": "down", "output": "lm_head"}  # matmul names in traces
@@ -173,8 +203,7 @@ class DecoderModel:
         with GGUFFile(self.path) if self.path and self.device.type == "cpu" else nullcontext() as gguf:
             for lin in self.linears():
                 if lin.weight.shape[1] % GROUP == 0:
-                    lin.qweight = (_file_quantized(gguf, lin, fmt) if gguf else None) or \
-                        quantize(lin.weight, "int8" if fmt == "gguf" else fmt)
+                    lin.qweight = _quantized(gguf, lin, fmt)
                     added += lin.qweight.nbytes
         return added
 

@@ -130,16 +130,23 @@ def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     torch.sub(scale * q, offset, out=out.view(n, 8, 32))
 
 
-def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    n = b.shape[0]
+def _q6_k_integers(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # q (0..63, uint8 [n, 256] in element order) and the int8 scale of each 16 elements [n, 16].
     # Two 128-element halves; in each, 64 ql bytes give the low nibbles of
     # elements 0-63 then high nibbles for 64-127, and 32 qh bytes give 2-bit
     # pairs for elements (32*s + j) at shift 2*s.
+    n = b.shape[0]
     ql = _nibbles(b[:, 0:128], 64)
     qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS.view(1, 1, 4, 1)) & 3
     ql |= qh.view(n, -1) << 4
+    return ql, b[:, 192:208].view(torch.int8)
+
+
+def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    ql, sub = _q6_k_integers(b)
     q = ql.float().sub_(32)
-    scale = b[:, 192:208].view(torch.int8).float() * _f16(b[:, 208:210])
+    scale = sub.float() * _f16(b[:, 208:210])
     torch.mul(scale.unsqueeze(-1), q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
@@ -254,3 +261,15 @@ def nibble_blocks(raw: torch.Tensor, qtype: T,
         q, scale, mn = _nibbles(b[:, 16:144], 32), d * sc, -(dmin * m)
     groups = k // 32
     return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
+
+
+def q6_k_blocks(raw: torch.Tensor, qtype: T,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q6_K matrix [rows, K] as q (uint8 0..63 [rows, K]), its sub-scales (int8 [rows, K / 16])
+    and d (fp16 [rows, K / 256]): w = (q - 32) * sub * d, as the file holds it."""
+    if T(qtype) != T.Q6_K:
+        raise ValueError(f"{T(qtype).name} blocks are not Q6_K")
+    rows, k, b = _matrix_blocks(raw, T.Q6_K, shape)
+    q, sub = _q6_k_integers(b)
+    d = b[:, 208:210].contiguous().view(torch.float16)
+    return q.reshape(rows, k), sub.reshape(rows, k // 16), d.reshape(rows, k // 256)

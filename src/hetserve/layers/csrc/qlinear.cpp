@@ -4,6 +4,8 @@
 // 32 input elements (G = K / 32 groups per row), with one fp16 scale (int4: and min) per group:
 //   int8: q int8 in -127..127                  w = q * scale
 //   int4: q in 0..15, two per byte             w = q * scale + min
+//   q5_0: q in 0..31 (GGUF Q5_0 as it is)      w = (q - 16) * scale
+//   q6_k: q in 0..63 (GGUF Q6_K as it is)      w = (q - 32) * sub[16 elements] * d[256 elements]
 // Rows are stored in blocks of 4 groups (128 elements; the last block zero-padded), interleaved
 // so that the 8 int32 lanes of one 32-byte multiply-add hold partial sums of 4 different groups
 // (see `interleaved`): lane j of vector i (i = 0..3) holds elements 8i + 4(j / 4) .. + 3 of group
@@ -19,6 +21,9 @@
 // activation scales. The int4 min term is sum_g min[g] * d[g] * sum(xq over group g), 8 groups per FMA.
 // Each output is summed in the same order whatever M is, so results are batch-invariant.
 // fp16 scales (as in ggml's Q8_0/Q4_1) keep the int4 format at 5 bits per weight, not 6.
+// q5_0 and q6_k hold a GGUF's Q5_0 and Q6_K blocks repacked into this layout, at the file's own
+// size (5.5 and 6.5625 bits per weight): the kernel streams no more bytes than the file holds and
+// computes on the file's integers, adding no weight error (see Int5Weights, Int6KWeights).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -130,12 +135,14 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
 
 // The weight formats give, for block b of output row n and R activation rows (pointers at the
 // block), one vector per row whose lanes j and j + 4 hold partial dot products of group j: one
-// weight load serves all R rows.
+// weight load serves all R rows. `scales` gives groups g0 .. g0 + 7's weight scales (the float
+// each group's integer dot product is multiplied by) and, where kHasMin, `mins` their offsets.
 struct Int8Weights {
   static constexpr bool kHasMin = false;
   static constexpr int kSuperBytes = kSuper * kGroup;  // bytes of weights per 8 groups
   const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup; }
+  __m256 scales(int64_t n, int64_t g0, int64_t count) const { return load_h8(scale + n * G + g0, count); }
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const int8_t* w = q + n * row_bytes + b * kBlockElems;
@@ -160,6 +167,8 @@ struct Int4Weights {
   static constexpr int kSuperBytes = kSuper * kGroup / 2;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup / 2; }
+  __m256 scales(int64_t n, int64_t g0, int64_t count) const { return load_h8(scale + n * G + g0, count); }
+  __m256 mins(int64_t n, int64_t g0, int64_t count, __m256) const { return load_h8(min + n * G + g0, count); }
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
@@ -188,6 +197,116 @@ struct Int4Weights {
 #if !kVnni
     for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
 #endif
+  }
+};
+
+// 32 bytes, byte i 0x10 where bit i of `bits` is set: a 5th bit moved into place above a nibble.
+inline __m256i fifth_bits(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
+#else
+  // Byte i gets byte i / 8 of the word, keeps bit i % 8 of it, and becomes 0xFF where that is set.
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+#endif
+}
+
+// Q5_0: a block is int4's 64 nibble bytes, then 4 little-endian 32-bit words, word v holding the
+// 5th bit of byte i of vector v in its bit i (80 bytes per 128 weights; with the fp16 scale per
+// group, Q5_0's 5.5 bits per weight). The values q = nibble | bit << 4 are 0..31 and
+// w = (q - 16) * scale, so as int4 the product is scale * sum(q * xq) plus an offset of
+// min = -16 * scale against the group's activation sum (exact: a power-of-2 multiple of the scale).
+struct Int5Weights {
+  static constexpr bool kHasMin = true;
+  static constexpr int64_t kBlockBytes = kBlockElems / 2 + 16;
+  static constexpr int kSuperBytes = 2 * kBlockBytes;
+  const uint8_t* q; const at::Half* scale; int64_t K, G, row_bytes;
+  const char* bytes(int64_t n, int64_t g0) const {
+    return reinterpret_cast<const char*>(q + n * row_bytes) + g0 / kBlock * kBlockBytes;
+  }
+  __m256 scales(int64_t n, int64_t g0, int64_t count) const { return load_h8(scale + n * G + g0, count); }
+  __m256 mins(int64_t, int64_t, int64_t, __m256 ws) const { return _mm256_mul_ps(ws, _mm256_set1_ps(-16.f)); }
+  template <int R>
+  __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
+    const uint8_t* w = q + n * row_bytes + b * kBlockBytes;
+    uint32_t bits[4];
+    std::memcpy(bits, w + kBlockElems / 2, sizeof(bits));
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    // As int4: at most 4 products of 31 * 127 (15748) per 16-bit lane, exact before widening.
+#if kVnni
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#else
+    __m256i s16[R];
+#endif
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, lo4), fifth_bits(bits[2 * h]));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4), fifth_bits(bits[2 * h + 1]));
+      for (int r = 0; r < R; ++r) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
+#if kVnni
+        acc[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[r], lo, x0), hi, x1);
+#else
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
+#endif
+      }
+    }
+#if !kVnni
+    for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
+#endif
+  }
+};
+
+// Q6_K: q in 0..63, w = (q - 32) * sub * d with an int8 sub-scale per 16 weights and an fp16 d per
+// 256 (8 groups: one scale vector per 8 groups, broadcast). A block is int4's 64 nibble bytes (the
+// low 4 bits), 32 bytes whose byte i holds the top 2 bits of byte i of vector v in bits 2v, 2v + 1,
+// and the block's 8 sub-scales: groups 0-3's first 16 weights (vectors 0, 1), then their last 16
+// (vectors 2, 3). 104 bytes per 128 weights plus d: Q6_K's 210 bytes per 256. The sub-scales are
+// applied in the integers (vpmaddwd of the 16-bit products by them), so a group's dot product
+// sum(sub * (q - 32) * xq) is exact: at most 32 * 32 * 128 * 127 < 2^24, exact in fp32 too.
+struct Int6KWeights {
+  static constexpr bool kHasMin = false;
+  static constexpr int64_t kBlockBytes = kBlockElems / 2 + 32 + 8;
+  static constexpr int kSuperBytes = 2 * kBlockBytes;
+  const uint8_t* q; const at::Half* d; int64_t K, G, row_bytes;
+  const char* bytes(int64_t n, int64_t g0) const {
+    return reinterpret_cast<const char*>(q + n * row_bytes) + g0 / kBlock * kBlockBytes;
+  }
+  __m256 scales(int64_t n, int64_t g0, int64_t) const {
+    return _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(d)[(n * G + g0) / kSuper]));
+  }
+  template <int R>
+  __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
+    const uint8_t* w = q + n * row_bytes + b * kBlockBytes;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockElems / 2));
+    // 16-bit lanes 2j, 2j + 1 feed 32-bit lane j, which holds group j % 4: each gets its group's sub-scale.
+    const __m128i pairs = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kBlockElems / 2 + 32)),
+                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    const __m256i sub = _mm256_cvtepi8_epi16(pairs);  // first halves' scales, then second halves'
+    const __m256i sub_h[2] = {_mm256_permute2x128_si256(sub, sub, 0x00), _mm256_permute2x128_si256(sub, sub, 0x11)};
+    const __m256i top_bits[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb, _mm256_srli_epi16(hb, 2)};
+    for (int h = 0; h < 2; ++h) {  // vectors 2h, 2h + 1: half h of each group
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+      const __m256i a = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(bytes, lo4),
+                                                        _mm256_and_si256(top_bits[2 * h], top)), bias);
+      const __m256i c = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4),
+                                                        _mm256_and_si256(top_bits[2 * h + 1], top)), bias);
+      const __m256i a_abs = _mm256_sign_epi8(a, a), c_abs = _mm256_sign_epi8(c, c);  // signs move onto x
+      for (int r = 0; r < R; ++r) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
+        // Pairs of products of at most 32 * 127: 16256 for the two vectors, exact in 16 bits.
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(x0, a)),
+                                           _mm256_maddubs_epi16(c_abs, _mm256_sign_epi8(x1, c)));
+        const __m256i part = _mm256_madd_epi16(p, sub_h[h]);
+        acc[r] = h ? _mm256_add_epi32(acc[r], part) : part;
+      }
+    }
   }
 };
 
@@ -231,11 +350,11 @@ inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, 
     for (int r = 0; r < R; ++r) xr[r] = x.row(m0 + r) + g0 * kGroup;
     __m256i dots[R];
     sums8<R>(w, n, g0, xr, dots);
-    const __m256 ws = load_h8(w.scale + n * G + g0, count);
+    const __m256 ws = w.scales(n, g0, count);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(ws, _mm256_loadu_ps(x.drow(m0 + r) + g0)), acc[r]);
     if constexpr (W::kHasMin) {
-      const __m256 wm = load_h8(w.min + n * G + g0, count);
+      const __m256 wm = w.mins(n, g0, count, ws);
       for (int r = 0; r < R; ++r) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.srow(m0 + r) + g0), off[r]);
     }
   }
@@ -267,14 +386,17 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
 }
 
 // x [M, K] against weights q [N, ceil(G/4) * block_bytes] (G = K/32 groups, `block_bytes` per
-// block of 4) with scale [N, G]: q's width fixes G up to a block, the scale's size exactly.
-void check(const torch::Tensor& x, const torch::Tensor& q, int64_t block_bytes, const torch::Tensor& scale) {
+// block of 4) with an fp16 scale per `per_scale` groups: q's width fixes G up to a block, the
+// scale's size exactly.
+void check(const torch::Tensor& x, const torch::Tensor& q, int64_t block_bytes, const torch::Tensor& scale,
+           int64_t per_scale = 1) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D fp32 CPU tensor");
   const int64_t N = q.size(0), K = x.size(1), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && q.size(1) == num_blocks(G) * block_bytes && scale.numel() == N * G,
-              "input width must equal the weight's and be a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous(), "scale must be contiguous fp16 [N, K/32]");
+  TORCH_CHECK(K % (kGroup * per_scale) == 0 && q.size(1) == num_blocks(G) * block_bytes &&
+              scale.numel() * per_scale == N * G,
+              "input width must equal the weight's and be a multiple of ", kGroup * per_scale);
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous(), "scales must be contiguous fp16");
 }
 
 void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -305,6 +427,24 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, K / kGroup,
                          q.size(1)},
              x, N, bias);
+}
+
+torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
+              "q must be contiguous uint8 [N, ceil(K/128) * 80]");
+  check(x, q, Int5Weights::kBlockBytes, scale);
+  const int64_t N = q.size(0), K = x.size(1);
+  check_bias(bias, N);
+  return run(Int5Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias);
+}
+
+torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
+              "q must be contiguous uint8 [N, K/128 * 104]");
+  check(x, q, Int6KWeights::kBlockBytes, d, kSuper);  // d: one scale per 8 groups, [N, K/256]
+  const int64_t N = q.size(0), K = x.size(1);
+  check_bias(bias, N);
+  return run(Int6KWeights{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias);
 }
 
 // Quantizers: one pass over the fp32 weights. Values are rounded against the fp16 scale (and
@@ -384,4 +524,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, ceil(K/128) * 128], scale fp16 [N, K/32])");
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/128) * 64], scale, min fp16 [N, K/32])");
   m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)");
+  m.def("q5_0_linear", &q5_0_linear, "x . GGUF Q5_0 weights repacked (int8 activations per group of 32)");
+  m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights repacked (int8 activations per group of 32)");
 }
