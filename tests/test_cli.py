@@ -97,6 +97,20 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     assert set(blocks) == {"target-only", "fixed-4", "draft-only"}
 
 
+def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path, capsys):
+    """The limit columns come from this machine now: a measured read bandwidth over the weight
+    bytes a decode token reads, and a measured GEMM rate over the prefill FLOPs."""
+    from hetserve.cli import main
+
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", tiny_qwen2, "--no-transformers", "--runs", "1", "--prompt-tokens",
+                 "64", "--output-tokens", "4", "--out", str(out)]) == 0
+    lim = json.loads(out.read_text())["hetserve"]["limits"]
+    assert lim["read_gb_s"] > 0.5 and lim["gemm_gflop_s"] > 1 and lim["decode_weight_bytes"] > 0
+    assert abs(lim["decode_limit_tok_s"] / (lim["read_gb_s"] * 1e9 / lim["decode_weight_bytes"]) - 1) < 0.01
+    assert "limits measured now: read" in capsys.readouterr().out
+
+
 def test_info_names_the_cpu_and_what_auto_picks():
     from hetserve.layers import native
 

@@ -2,7 +2,9 @@
 
 Both engines get the same token ids (a fixed text tiled to --prompt-tokens), greedy,
 EOS ignored. Prefill tok/s = prompt tokens / time to first token; decode tok/s =
-(output tokens - 1) / (end-to-end time - time to first token). Medians of --runs.
+(output tokens - 1) / (end-to-end time - time to first token). Medians of --runs. On a CPU,
+the limits measured right after (bench/limits.py): decode tok/s at the measured read bandwidth
+over the weight bytes a token reads, prefill tok/s at the measured GEMM rate of the prefill dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 import statistics
 import sys
 import time
+
+from .limits import limits
 
 _TEXT = (
     "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    mid = len(items) // 2\n"
@@ -40,6 +44,8 @@ def _median_rates(samples: list[tuple[float, float]], prompt: int, output: int) 
 
 
 def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
+    import torch
+
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
@@ -58,6 +64,8 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
         samples.append((out.metrics["first_token_time"] - t, out.metrics["finished_time"] - t))
     res = _median_rates(samples, args.prompt_tokens, args.output_tokens)
     res["load_s"] = round(load_s, 2)
+    if llm.model.device.type == "cpu":
+        res["limits"] = limits(llm.model, torch.bfloat16 if llm.config.prefill_format == "bf16" else torch.float32)
     return res, ids, str(llm.path)
 
 
@@ -102,6 +110,13 @@ def main(args) -> int:
     for name, r in rows:
         print(f"{name:<14}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.2f}{r['ttft_s']:>9.2f}"
               f"{r['e2e_s']:>9.2f}{r['load_s']:>9.1f}")
+    if "limits" in report["hetserve"]:
+        h, lim = report["hetserve"], report["hetserve"]["limits"]
+        print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s over {lim['decode_weight_bytes'] / 1e6:.0f} MB "
+              f"of weights a token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s "
+              f"({h['decode_tok_s'] / lim['decode_limit_tok_s']:.0%} reached); {lim['gemm_dtype'].split('.')[-1]} "
+              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} TFLOP/s -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
+              f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:
         h, t = report["hetserve"], report["transformers"]
         print(f"ratio hetserve/transformers: prefill {h['prefill_tok_s'] / t['prefill_tok_s']:.2f}x, "

@@ -4,8 +4,8 @@ For each format (one engine each, loaded in turn): greedy agreement with fp32 (2
 64 greedy tokens each: the fraction of positions with the same token, and the mean length of
 the common prefix), perplexity of a fixed text (tests/data/perplexity.txt), and the latency
 benchmark (prefill --prompt-tokens, decode --output-tokens, one stream, medians of --runs),
-next to a physical limit: weight bytes per decoded token over --bandwidth, and prefill FLOPs
-over --gemm-peak.
+next to a physical limit: weight bytes per decoded token over the read bandwidth, and prefill
+FLOPs over the fp32 GEMM rate (both measured at the start unless --bandwidth / --gemm-peak say).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 
 from .latency import prompt_ids
+from .limits import gemm_gflop_s, read_bandwidth_gb_s, weight_bytes
 
 PROMPTS = [
     "def fibonacci(n):", "Write a haiku about the sea.", "import numpy as np\n\ndef normalize(v):",
@@ -41,18 +42,9 @@ def _agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
             "identical_sequences": sum(r == o for r, o in zip(ref, out))}
 
 
-def _weight_bytes(llm) -> tuple[int, int]:
-    """(bytes a decode step reads from linear weights, parameters a prefill token multiplies by:
-    every linear but the output head, which only the last prompt token needs)."""
-    total, params = 0, 0
-    for lin in llm.model.linears():
-        if lin is not llm.model.lm_head:
-            params += lin.weight.numel()
-        total += lin.qweight.nbytes if lin.qweight is not None else lin.weight.numel() * lin.weight.element_size()
-    return total, params
-
-
 def main(args) -> int:
+    import torch
+
     from ..cli import engine_kwargs
     from ..llm import LLM
     from ..sampling_params import SamplingParams
@@ -61,6 +53,10 @@ def main(args) -> int:
     text = open(args.text).read()
     greedy = SamplingParams(max_tokens=args.agreement_tokens, temperature=0.0, ignore_eos=True)
     timed = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    if args.bandwidth is None:
+        args.bandwidth = round(read_bandwidth_gb_s(), 1)
+    if args.gemm_peak is None:
+        args.gemm_peak = round(gemm_gflop_s(torch.float32), 1)
     report = {"benchmark": "weight-formats", "model": args.model, "command": " ".join(sys.argv),
               "bandwidth_gb_s": args.bandwidth, "gemm_peak_gflop_s": args.gemm_peak, "formats": {}}
     reference = None
@@ -86,7 +82,7 @@ def main(args) -> int:
         res["prefill_tok_s"] = round(statistics.median(args.prompt_tokens / a for a, _ in samples), 2)
         res["decode_tok_s"] = round(statistics.median((args.output_tokens - 1) / (b - a) for a, b in samples), 2)
         res["runs"] = [{"ttft_s": round(a, 3), "e2e_s": round(b, 3)} for a, b in samples]
-        wbytes, params = _weight_bytes(llm)
+        wbytes, params = weight_bytes(llm.model)
         res["decode_weight_bytes"] = wbytes
         res["decode_limit_tok_s"] = round(args.bandwidth * 1e9 / wbytes, 1)
         res["prefill_limit_tok_s"] = round(args.gemm_peak * 1e9 / (2 * params), 1)
@@ -115,8 +111,10 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--bandwidth", type=float, default=15.0, help="measured memory read GB/s, for the limit column")
-    p.add_argument("--gemm-peak", type=float, default=103.0, help="measured fp32 GEMM GFLOP/s, for the limit column")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="memory read GB/s for the limit column (default: measured at the start)")
+    p.add_argument("--gemm-peak", type=float, default=None,
+                   help="fp32 GEMM GFLOP/s for the limit column (default: measured at the start)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     add_engine_flags(p)
     p.set_defaults(func=main)

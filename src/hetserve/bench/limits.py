@@ -1,0 +1,54 @@
+"""Physical limits measured in the same sitting, for the benchmarks' limit columns: the memory read
+bandwidth one decode stream is bound by, and the GEMM rate of the unit prefill runs on. Shared
+machines vary by tens of percent within an hour, so a limit is only meaningful beside the figure
+measured with it, never from another session.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _median_s(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 5) -> float:
+    """GB/s of a streaming read (a sum over `gib` GiB of fp32, far past every cache) on torch's threads."""
+    a = torch.ones(int(gib * (1 << 28)), dtype=torch.float32)
+    return a.numel() * 4 / _median_s(a.sum, runs) / 1e9
+
+
+def gemm_gflop_s(dtype: torch.dtype, m: int = 512, k: int = 1536, n: int = 8960, runs: int = 5) -> float:
+    """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix)."""
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    return 2 * m * k * n / _median_s(lambda: torch.nn.functional.linear(x, w), runs) / 1e9
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes a decode step reads from linear weights, parameters a prefill token multiplies by:
+    every linear but the output head, which only the last prompt token needs)."""
+    total, params = 0, 0
+    for lin in model.linears():
+        if lin is not model.lm_head:
+            params += lin.weight.numel()
+        total += lin.qweight.nbytes if lin.qweight is not None else lin.weight.numel() * lin.weight.element_size()
+    return total, params
+
+
+def limits(model, prefill_dtype: torch.dtype) -> dict:
+    """Decode and prefill tok/s this machine allows the model now, with what they were computed from."""
+    bandwidth, peak = read_bandwidth_gb_s(), gemm_gflop_s(prefill_dtype)
+    wbytes, params = weight_bytes(model)
+    return {"read_gb_s": round(bandwidth, 1), "gemm_gflop_s": round(peak, 1), "gemm_dtype": str(prefill_dtype),
+            "decode_weight_bytes": wbytes, "decode_limit_tok_s": round(bandwidth * 1e9 / wbytes, 1),
+            "prefill_limit_tok_s": round(peak * 1e9 / (2 * params), 1)}
