@@ -1,4 +1,4 @@
-"""The package's native CPU extension (csrc/): int8/int4 linear kernels and quantizers
+"""The package's native CPU extension (csrc/): int8/int4/q5_0/q6_k linear kernels and quantizers
 (qlinear.cpp), the fixed-order fp32 linear of deterministic mode (f32linear.cpp), fused RMSNorm
 and RoPE + KV-cache write (cpu_ops.cpp).
 

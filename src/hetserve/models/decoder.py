@@ -193,10 +193,9 @@ class DecoderModel:
     def quantize_weights(self, fmt: str) -> int:
         """Add a quantized copy of every linear's weight (fp32 stays for large steps and for
         exactness); returns the bytes added. Linears whose width is not a multiple of the
-        format's group stay fp32. The file's own blocks are taken where the format holds them
-        (int8: Q8_0/Q5_0/Q4_0 exactly; int4: Q4_0 exactly, Q4_K with fp16 scales); other types
-        are quantized from fp32. `gguf` picks per linear: int4 for 4-bit blocks, int8 for the
-        rest (Q5_0/Q8_0 exactly, K-quants of 5-6 bits and floats re-quantized)."""
+        format's group stay fp32. Each source tensor's blocks are taken as the file holds them where
+        the format can (`_exact_format`; `gguf` picks the kernel format per tensor, so Q4_0/Q4_K,
+        Q5_0, Q6_K and Q8_0 all run as stored), other types are quantized from fp32."""
         added = 0
         if fmt == "fp32":
             return added
