@@ -312,9 +312,9 @@ def test_bf16_gemm_linear_keeps_fp32_activations():
 
 @pytest.mark.real_model
 def test_real_model_bf16_prefill_perplexity(real_05b):
-    """bf16 GEMM for prefill-sized chunks (the `auto` default on CPUs with AMX/AVX512-BF16) against
-    fp32 GEMM, with the int8 kernels below the row threshold. Measured on a Sapphire Rapids:
-    8.5056 -> 8.5122 (+0.08%) in one 451-row chunk."""
+    """bf16 GEMM and attention for prefill-sized chunks (the `auto` default on CPUs with
+    AMX/AVX512-BF16) against fp32, with the int8 kernels below the row threshold. Measured on a
+    Sapphire Rapids: 8.5056 -> 8.5150 (+0.11%) in one 451-row chunk (+0.08% with fp32 attention)."""
     from hetserve.layers.prefill_formats import cpu_has_bf16_gemm
 
     if not cpu_has_bf16_gemm():
@@ -444,3 +444,41 @@ def test_bf16_prefill_mlp_skips_conversions_exactly(tiny_qwen2, monkeypatch):
     fast = hidden()
     monkeypatch.setattr(Linear, "gemm_lowp", lambda self, x: None)  # the path through fp32
     assert torch.equal(fast, hidden())
+
+
+def test_bf16_prefill_runs_its_chunks_attention_in_bf16(tiny_qwen2, monkeypatch):
+    """A step whose GEMMs run bf16 (past the kernels' row threshold) runs its prefill chunks'
+    attention in bf16, its output back in fp32 and within bf16's rounding of the fp32 one; a
+    decode-sized step keeps fp32 attention (the same numerics as every decode)."""
+    import hetserve.layers.attention as attention
+    from hetserve.layers.attention import AttentionMetadata
+    from hetserve.models.decoder import DecoderModel
+
+    model = DecoderModel.from_gguf(tiny_qwen2)
+    model.quantize_weights("int8")
+    model.use_gemm_dtype(torch.bfloat16)
+    seen, sdpa = [], attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append(q.dtype)
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    ids = torch.arange(40) % 300 + 5
+
+    def hidden(n):
+        kv = model.allocate_kv_cache(48)
+        meta = AttentionMetadata.build([n], [n], [list(range(12))], 4, model.device)
+        seen.clear()
+        return model.forward(ids[:n], torch.arange(n), meta, kv)
+
+    assert 20 <= model.layers[0].qkv.policy.quant_max_rows < 40
+    lowp = hidden(40)
+    assert seen and set(seen) == {torch.bfloat16} and lowp.dtype == torch.float32
+    hidden(20)  # 20 rows: the kernels' step, fp32 throughout
+    assert seen and set(seen) == {torch.float32}
+    q, k, v = torch.randn(40, 4, 16), torch.randn(48, 2, 16), torch.randn(48, 2, 16)
+    meta = AttentionMetadata.build([40], [40], [list(range(12))], 4, "cpu")
+    exact = attention.attend_cached(q, k, v, meta, 0.25)
+    low = attention.attend_cached(q, k, v, meta, 0.25, chunk_dtype=torch.bfloat16)
+    assert low.dtype == torch.float32 and (low - exact).norm() / exact.norm() < 0.01

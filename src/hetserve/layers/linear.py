@@ -93,12 +93,15 @@ class Linear:
         with trace.span("matmul", op=self.name, impl="gemv" if m == 1 else "gemm", rows=m):
             return F.linear(x, self.weight, self.bias)
 
+    def runs_lowp(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs this linear's bf16 GEMM (a prefill-sized step)."""
+        p = self.policy
+        return self.lowp and not p.deterministic and not (self.qweight is not None and rows <= p.quant_max_rows)
+
     def gemm_lowp(self, x: torch.Tensor) -> torch.Tensor | None:
         """The bf16 GEMM's own output (not brought back to fp32) where this step would run it,
         for a consumer that reads bf16 (the decoder's fused SiLU-and-mul); else None."""
-        p = self.policy
-        if not self.lowp or self.bias is not None or p.deterministic or \
-                (self.qweight is not None and x.shape[0] <= p.quant_max_rows):
+        if self.bias is not None or not self.runs_lowp(x.shape[0]):
             return None
         return self._gemm_lowp(x)
 

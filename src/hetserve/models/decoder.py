@@ -249,6 +249,9 @@ class DecoderModel:
             h = F.embedding(input_ids, self.embed)
             cos, sin = self.rope.cos_sin(positions, h.dtype)  # contiguous [T, 1, head_dim/2]
             delta = None
+            # A step whose GEMMs run bf16 (prefill-sized) runs its chunks' attention in bf16 too;
+            # decode-sized steps keep every op fp32.
+            chunk_dtype = torch.bfloat16 if self.layers and self.layers[0].qkv.runs_lowp(t) else None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 with trace.span("layer", index=i):
                     with trace.span("attn"):
@@ -256,7 +259,8 @@ class DecoderModel:
                         with trace.span("qkv"):
                             qkv = layer.qkv(x)
                         q = self._rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta)
-                        delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=self.fused))
+                        delta = layer.o(attend_cached(q, k_cache, v_cache, meta, self.scale, native=self.fused,
+                                                      chunk_dtype=chunk_dtype))
                     with trace.span("mlp"):
                         x = self._norm(h, layer.mlp_norm, delta)
                         # bf16 prefill: the gate/up GEMM's bf16 output goes straight into the
