@@ -115,3 +115,27 @@ def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row():
         alone = attend_cached(q[j:j + 1], k_cache, v_cache, AttentionMetadata.build([1], [10 + j], [table], ps, cpu),
                               0.3, native=ops)
         assert torch.equal(alone[0], together[j])
+
+
+@pytest.mark.parametrize("width", [151936, 1000, 5])  # the Qwen2.5 vocabulary; tails after blocks of 8
+def test_argmax_is_torchs(width):
+    """Greedy sampling's argmax gives torch.argmax's index: the first of tied maxima, a NaN's where
+    a row has one, index 0 for a row of -inf; 1-D and 2-D, and torch's own path for other dtypes."""
+    from hetserve.layers.sampler import argmax
+
+    torch.manual_seed(width)
+    x = torch.randn(9, width)
+    x[1, :] = -float("inf")
+    x[2, width // 3] = x[2, width - 1] = 1e9  # tied: the first wins
+    x[3, width // 2] = float("nan")
+    x[4, :] = 0.0
+    x[4, width - 1] = -0.0
+    x[5, width - 1] = 50.0  # the tail
+    x[6, :] = float("nan")
+    x[7, 0] = float("inf")
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x).dtype == torch.long
+    for row in x:
+        assert int(argmax(row)) == int(row.argmax())
+    assert torch.equal(argmax(x.double()), x.double().argmax(-1))
+    assert torch.equal(argmax(x[:, : width // 2 + 1]), x[:, : width // 2 + 1].argmax(-1))  # a strided view

@@ -13,7 +13,7 @@ import torch
 
 from .. import trace
 from ..layers.attention import AttentionMetadata
-from ..layers.sampler import SamplingRow, apply_penalties, distribution, logprob_entry, sample
+from ..layers.sampler import SamplingRow, apply_penalties, argmax, distribution, logprob_entry, sample
 from ..models.decoder import DecoderModel
 from ..spec.rejection import verify_greedy, verify_sampled
 from .request import Request
@@ -111,7 +111,7 @@ class ModelRunner:
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         results: dict[int, tuple[int, list[int]]] = {}
         if greedy:
-            best = [[int(apply_penalties(per_req[i][j], self.row_for(reqs[i], reqs[i].spec_token_ids[:j])).argmax())
+            best = [[int(argmax(apply_penalties(per_req[i][j], self.row_for(reqs[i], reqs[i].spec_token_ids[:j]))))
                      for j in range(len(reqs[i].spec_token_ids) + 1)] for i in greedy]
             v = verify_greedy(best, [reqs[i].spec_token_ids for i in greedy])
             results.update({i: (a, t) for i, a, t in zip(greedy, v.num_accepted, v.tokens)})

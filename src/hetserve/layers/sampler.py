@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from .native import NativeUnavailable, kernels
 
 
 @dataclass
@@ -23,6 +24,21 @@ class SamplingRow:
     generator: torch.Generator | None
     blocked_token_ids: tuple[int, ...] = ()  # e.g. EOS while output < min_tokens
     allowed: torch.Tensor | None = None  # bool over the vocabulary: a grammar's mask (structured outputs)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dimension (the first index of the maximum; a NaN's where a row has
+    one) of [V] or [B, V] logits: for fp32 CPU rows the native kernel, 7x faster over a 152k
+    vocabulary (csrc/cpu_ops.cpp), elsewhere torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() in (1, 2) and logits.numel():
+        try:
+            k = kernels()
+        except NativeUnavailable:
+            k = None
+        if k is not None:
+            rows = k.argmax_rows(logits.reshape(-1, logits.shape[-1]).contiguous())
+            return rows[0] if logits.dim() == 1 else rows
+    return logits.argmax(-1)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -147,7 +163,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     raw_logprobs = logits[want].log_softmax(-1) if want else None
     for i, row in enumerate(rows):
         apply_penalties(logits[i], row)
-    tokens = logits.argmax(-1).tolist()
+    tokens = argmax(logits).tolist()
     for i, row in enumerate(rows):
         if row.params.greedy:
             continue

@@ -22,7 +22,7 @@ from gguf import TokenType
 
 from .. import trace
 from ..layers.attention import AttentionMetadata
-from ..layers.sampler import SamplingRow, apply_penalties, distribution, draw
+from ..layers.sampler import SamplingRow, apply_penalties, argmax, distribution, draw
 from ..models.decoder import DecoderModel
 
 
@@ -152,7 +152,7 @@ class DraftProposer:
                 ask = keep_drafting is not None and k > step + 1  # the last draft needs no test
                 if row.params.greedy:
                     scores = apply_penalties(logits[i], row)
-                    token = int(scores.argmax())
+                    token = int(argmax(scores))
                     p = float(torch.exp(scores[token] - torch.logsumexp(scores, -1))) if ask else 1.0
                 else:
                     q = distribution(logits[i], row)

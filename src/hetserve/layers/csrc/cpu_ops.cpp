@@ -301,9 +301,60 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   });
 }
 
+
+// Greedy sampling's argmax over a 152k vocabulary: torch's CPU argmax took 0.35 ms a row (1.4 ms
+// for 8), about 1% of a 0.5B decode step per row; this takes 0.05 (0.2). One pass finds the
+// maximum 8 lanes at a time, a second the first index holding it: torch.argmax's answer, ties to
+// the first index. A NaN is the maximum there, as in torch: a row with one gives its first NaN's.
+int64_t argmax_row(const float* x, int64_t V) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx = _mm256_max_ps(mx, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float best = -INFINITY;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float l : lanes) best = std::max(best, l);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < V; ++j) {
+    any_nan |= std::isnan(x[j]);
+    best = std::max(best, x[j]);
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const __m256 b = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= V; i += 8) {
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b, _CMP_EQ_OQ));
+    if (m) return i + __builtin_ctz(m);
+  }
+  for (; i < V; ++i)
+    if (x[i] == best) return i;
+  return 0;  // V == 0 is refused before; every value -inf equals best: found above
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, V] with V > 0");
+  const int64_t M = x.size(0), V = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) op[m] = argmax_row(xp + m * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m) {
+  m.def("argmax_rows", &argmax_rows, "the first index of each fp32 row's maximum (a NaN's where a row has one)");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, optionally after an in-place residual add");
   m.def("rope_kv_write", &rope_kv_write, "RoPE on q and k of a fused qkv, k and v written to the KV cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up (fp32, or bf16 in and out)");
