@@ -12,7 +12,8 @@ import time
 import torch
 
 
-def _median_s(fn, runs: int) -> float:
+def median_time(fn, runs: int) -> float:
+    """Median seconds of `runs` calls of fn, after one untimed call."""
     fn()
     times = []
     for _ in range(runs):
@@ -25,13 +26,13 @@ def _median_s(fn, runs: int) -> float:
 def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 5) -> float:
     """GB/s of a streaming read (a sum over `gib` GiB of fp32, far past every cache) on torch's threads."""
     a = torch.ones(int(gib * (1 << 28)), dtype=torch.float32)
-    return a.numel() * 4 / _median_s(a.sum, runs) / 1e9
+    return a.numel() * 4 / median_time(a.sum, runs) / 1e9
 
 
 def gemm_gflop_s(dtype: torch.dtype, m: int = 512, k: int = 1536, n: int = 8960, runs: int = 5) -> float:
     """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix)."""
     x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    return 2 * m * k * n / _median_s(lambda: torch.nn.functional.linear(x, w), runs) / 1e9
+    return 2 * m * k * n / median_time(lambda: torch.nn.functional.linear(x, w), runs) / 1e9
 
 
 def weight_bytes(model) -> tuple[int, int]:

@@ -9,11 +9,11 @@ the largest M where per-row GEMV wins is the suggested --gemv-max-rows.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from .limits import median_time
 
 
 def _shapes(cfg) -> list[tuple[str, int, int]]:
@@ -21,16 +21,6 @@ def _shapes(cfg) -> list[tuple[str, int, int]]:
     q = cfg.num_heads * cfg.head_dim
     return [("qkv", q + 2 * kv, h), ("o", h, q), ("gate_up", 2 * cfg.intermediate_size, h),
             ("down", h, cfg.intermediate_size)]  # as fused at load
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def main(args) -> int:
@@ -67,8 +57,8 @@ def main(args) -> int:
                 for r in range(m):
                     F.linear(x[r:r + 1], head)
 
-            t_gemm = _time(gemm, args.repeats)
-            t_gemv = _time(gemv, args.repeats) if m > 1 else t_gemm
+            t_gemm = median_time(gemm, args.repeats)
+            t_gemv = median_time(gemv, args.repeats) if m > 1 else t_gemm
             results.append({"rows": m, "gemm_ms": round(t_gemm * 1e3, 1), "gemv_ms": round(t_gemv * 1e3, 1),
                             "gemm_tok_s": round(m / t_gemm, 2), "gemv_tok_s": round(m / t_gemv, 2),
                             "best": "gemv" if t_gemv < t_gemm else "gemm"})

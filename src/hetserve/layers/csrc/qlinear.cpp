@@ -162,6 +162,35 @@ struct Int8Weights {
   }
 };
 
+// Rows' dot products with a block of unsigned values (int4's nibbles, q5_0's 5-bit values) given
+// as vectors 2h (lo[h]) and 2h + 1 (hi[h]). A 16-bit lane of one multiply-add holds 2 products
+// of at most 31 * 127, so the block's 4 products per lane (at most 15748) sum exactly in 16 bits
+// on AVX2: one widening per block, not four.
+template <int R>
+__attribute__((always_inline)) inline void unsigned_block(const __m256i (&lo)[2], const __m256i (&hi)[2],
+                                                          const int8_t* const (&x)[R], __m256i (&acc)[R]) {
+#if kVnni
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+#else
+  __m256i s16[R];
+#endif
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
+#if kVnni
+      acc[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[r], lo[h], x0), hi[h], x1);
+#else
+      const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+      s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
+#endif
+    }
+  }
+#if !kVnni
+  for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
+#endif
+}
+
 struct Int4Weights {
   static constexpr bool kHasMin = true;
   static constexpr int kSuperBytes = kSuper * kGroup / 2;
@@ -173,30 +202,13 @@ struct Int4Weights {
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    // A 16-bit lane of one multiply-add holds 2 products of at most 15 * 127, so the block's 4
-    // products per lane (at most 15240) sum exactly in 16 bits: one widening per block, not four.
-#if kVnni
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-#else
-    __m256i s16[R];
-#endif
+    __m256i lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
-      const __m256i lo = _mm256_and_si256(bytes, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
-#if kVnni
-        acc[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[r], lo, x0), hi, x1);
-#else
-        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
-#endif
-      }
+      lo[h] = _mm256_and_si256(bytes, lo4);
+      hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
     }
-#if !kVnni
-    for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
-#endif
+    unsigned_block<R>(lo, hi, x, acc);
   }
 };
 
@@ -234,30 +246,13 @@ struct Int5Weights {
     uint32_t bits[4];
     std::memcpy(bits, w + kBlockElems / 2, sizeof(bits));
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    // As int4: at most 4 products of 31 * 127 (15748) per 16-bit lane, exact before widening.
-#if kVnni
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-#else
-    __m256i s16[R];
-#endif
+    __m256i lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, lo4), fifth_bits(bits[2 * h]));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4), fifth_bits(bits[2 * h + 1]));
-      for (int r = 0; r < R; ++r) {
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
-#if kVnni
-        acc[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[r], lo, x0), hi, x1);
-#else
-        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        s16[r] = h ? _mm256_add_epi16(s16[r], d) : d;
-#endif
-      }
+      lo[h] = _mm256_or_si256(_mm256_and_si256(bytes, lo4), fifth_bits(bits[2 * h]));
+      hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4), fifth_bits(bits[2 * h + 1]));
     }
-#if !kVnni
-    for (int r = 0; r < R; ++r) acc[r] = madd_ones(s16[r]);
-#endif
+    unsigned_block<R>(lo, hi, x, acc);
   }
 };
 
