@@ -46,10 +46,15 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, params
 
 
+def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float) -> dict:
+    """Decode and prefill tok/s that a read bandwidth and a GEMM rate allow the model."""
+    wbytes, params = weight_bytes(model)
+    return {"decode_weight_bytes": wbytes, "decode_limit_tok_s": round(read_gb_s * 1e9 / wbytes, 1),
+            "prefill_limit_tok_s": round(gemm_gflop_s * 1e9 / (2 * params), 1)}
+
+
 def limits(model, prefill_dtype: torch.dtype) -> dict:
     """Decode and prefill tok/s this machine allows the model now, with what they were computed from."""
     bandwidth, peak = read_bandwidth_gb_s(), gemm_gflop_s(prefill_dtype)
-    wbytes, params = weight_bytes(model)
     return {"read_gb_s": round(bandwidth, 1), "gemm_gflop_s": round(peak, 1), "gemm_dtype": str(prefill_dtype),
-            "decode_weight_bytes": wbytes, "decode_limit_tok_s": round(bandwidth * 1e9 / wbytes, 1),
-            "prefill_limit_tok_s": round(peak * 1e9 / (2 * params), 1)}
+            **tok_s_limits(model, bandwidth, peak)}

@@ -16,7 +16,7 @@ import sys
 import time
 
 from .latency import prompt_ids
-from .limits import gemm_gflop_s, read_bandwidth_gb_s, weight_bytes
+from .limits import gemm_gflop_s, read_bandwidth_gb_s, tok_s_limits
 
 PROMPTS = [
     "def fibonacci(n):", "Write a haiku about the sea.", "import numpy as np\n\ndef normalize(v):",
@@ -82,10 +82,7 @@ def main(args) -> int:
         res["prefill_tok_s"] = round(statistics.median(args.prompt_tokens / a for a, _ in samples), 2)
         res["decode_tok_s"] = round(statistics.median((args.output_tokens - 1) / (b - a) for a, b in samples), 2)
         res["runs"] = [{"ttft_s": round(a, 3), "e2e_s": round(b, 3)} for a, b in samples]
-        wbytes, params = weight_bytes(llm.model)
-        res["decode_weight_bytes"] = wbytes
-        res["decode_limit_tok_s"] = round(args.bandwidth * 1e9 / wbytes, 1)
-        res["prefill_limit_tok_s"] = round(args.gemm_peak * 1e9 / (2 * params), 1)
+        res.update(tok_s_limits(llm.model, args.bandwidth, args.gemm_peak))
         report["formats"][fmt] = res
         del llm
     print(f"{'format':<8}{'prefill tok/s':>14}{'(limit)':>9}{'decode tok/s':>13}{'(limit)':>9}{'weights MB':>11}"

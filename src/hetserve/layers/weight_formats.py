@@ -167,10 +167,7 @@ def int8_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     n, k = q.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or q.dtype != torch.int8 or scale.dtype != torch.float16:
         raise ValueError(f"int8 integers must be int8 [N, K], K a multiple of {GROUP}, with fp16 scales [N, K/{GROUP}]")
-    groups = k // GROUP
-    packed = torch.zeros(n, -(-groups // 4) * 4 * GROUP, dtype=torch.int8)  # padding groups stay 0
-    packed[:, _element_positions(groups, q.device)] = q.contiguous()
-    return QuantizedWeight("int8", packed, scale.contiguous())
+    return QuantizedWeight("int8", _interleave(q).view(n, -1), scale.contiguous())  # padding groups stay 0
 
 
 def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> QuantizedWeight:
