@@ -62,3 +62,19 @@ def test_greedy_generation_equals_transformers(arch, tiny_qwen2, tiny_llama):
         assert out.token_ids == hf_greedy(ref_model, p, 12)
         assert out.prompt_token_ids == p
     assert llm.engine.num_free_pages == llm.engine.pool.num_blocks
+
+
+def test_perplexity_refuses_what_the_context_cannot_hold(tiny_qwen2):
+    """Scoring more tokens than the model has positions for is a clear error, not an index error
+    deep in RoPE (bench weight-formats on the tiny model's 512 positions met one)."""
+    import pytest
+
+    from hetserve.models.decoder import DecoderModel
+    from hetserve.models.perplexity import perplexity
+
+    model = DecoderModel.from_gguf(tiny_qwen2)
+    n = model.config.max_position
+    assert perplexity(model, [5] * (n + 1)) > 0  # the most it holds
+    for ids in ([5] * (n + 2), [5]):
+        with pytest.raises(ValueError, match="model's context"):
+            perplexity(model, ids)

@@ -17,6 +17,8 @@ def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torc
     chunked prefill would), with a private KV cache."""
     page = 16
     n = len(ids)
+    if not 2 <= n <= model.config.max_position + 1:  # positions 0 .. n - 2 are fed
+        raise ValueError(f"scoring takes 2 to {model.config.max_position + 1} tokens (the model's context); got {n}")
     pages = -(-n // page)
     kv = model.allocate_kv_cache(pages * page)
     table = list(range(pages))
