@@ -97,7 +97,7 @@ class QuantizedWeight:
             elif self.fmt == "q6_k":  # byte i's bits 2v, 2v + 1: the top of vector v's byte i
                 shifts = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
                 top = (b[:, :, 64:96].reshape(n, blocks, 1, 32) >> shifts) & 3
-                sub = b[:, :, 96:104].view(torch.int8).view(n, blocks, 2, 4).to(torch.int16)
+                sub = b[:, :, 96:104].view(torch.int8).view(n, blocks, 4, 2).transpose(2, 3).to(torch.int16)
                 half_of_vector = torch.tensor([0, 0, 1, 1])  # vectors 0, 1: first 16 weights; 2, 3: last 16
                 lane_group = torch.arange(32) // 4 % 4  # the group a byte of a vector belongs to
                 values = ((values | (top << 4)).to(torch.int16) - 32) * sub[:, :, half_of_vector][..., lane_group]
@@ -223,7 +223,7 @@ def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> Q
     blocks = values.shape[1]
     top = ((values >> 4) & 3) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
     top = top.sum(2, dtype=torch.uint8)  # [N, blocks, 32]: byte i's bits 2v, 2v + 1 <- vector v's byte i
-    subs = sub.view(n, blocks, 4, 2).transpose(2, 3).reshape(n, blocks, 8).view(torch.uint8)
+    subs = sub.view(n, blocks, 8).view(torch.uint8)  # by group: first half's, then second half's
     packed = torch.cat([_nibble_bytes(values), top, subs], dim=2).view(n, -1)
     return QuantizedWeight("q6_k", packed.contiguous(), d.contiguous())
 

@@ -83,17 +83,26 @@ inline __m256 load_h8(const at::Half* p, int64_t count) {
 
 // Activations quantized per group: xq int8 (interleaved), d (scale) and s = d * sum(xq) fp32. Each
 // row is padded with zero groups to a multiple of 8, so a row's last 8 groups can always be read whole.
+// Where asked (q6_k), also h: the integer sums of each group's two halves of 16 (at most 2032).
 struct QuantX {
   int64_t G, Gp;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int16_t> h;
   const int8_t* row(int64_t m) const { return q.data() + m * Gp * kGroup; }
   const float* drow(int64_t m) const { return d.data() + m * Gp; }
   const float* srow(int64_t m) const { return s.data() + m * Gp; }
+  const int16_t* hrow(int64_t m) const { return h.data() + m * Gp * 2; }
 };
 
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
 // Quantizes group g of a row (32 floats at x) into the interleaved int8 row `q`.
-inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s) {
+inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s, int16_t* h) {
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -118,16 +127,21 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
   // (Lane sums of at most 4 * 127 and their total, at most 32 * 127, are exact in fp32.)
   const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
   *s = dd * hsum(_mm256_cvtepi32_ps(isum));
+  if (h) {
+    h[0] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i0, i1)));
+    h[1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i2, i3)));
+  }
 }
 
-QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
+QuantX quantize_rows(const float* x, int64_t M, int64_t K, bool half_sums) {
   const int64_t G = K / kGroup, Gp = (G + kSuper - 1) / kSuper * kSuper;
   QuantX out{G, Gp, std::vector<int8_t>(M * Gp * kGroup, 0), std::vector<float>(M * Gp, 0.f),
-             std::vector<float>(M * Gp, 0.f)};
+             std::vector<float>(M * Gp, 0.f), std::vector<int16_t>(half_sums ? M * Gp * 2 : 0, 0)};
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / G, g = i % G;
-      quantize_group(x + i * kGroup, g, out.q.data() + m * Gp * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g]);
+      quantize_group(x + i * kGroup, g, out.q.data() + m * Gp * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g],
+                     half_sums ? &out.h[(m * Gp + g) * 2] : nullptr);
     }
   });
   return out;
@@ -138,7 +152,7 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
 // weight load serves all R rows. `scales` gives groups g0 .. g0 + 7's weight scales (the float
 // each group's integer dot product is multiplied by) and, where kHasMin, `mins` their offsets.
 struct Int8Weights {
-  static constexpr bool kHasMin = false;
+  static constexpr bool kHasMin = false, kHalfSums = false;
   static constexpr int kSuperBytes = kSuper * kGroup;  // bytes of weights per 8 groups
   const int8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup; }
@@ -192,7 +206,7 @@ __attribute__((always_inline)) inline void unsigned_block(const __m256i (&lo)[2]
 }
 
 struct Int4Weights {
-  static constexpr bool kHasMin = true;
+  static constexpr bool kHasMin = true, kHalfSums = false;
   static constexpr int kSuperBytes = kSuper * kGroup / 2;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t K, G, row_bytes;
   const char* bytes(int64_t n, int64_t g0) const { return reinterpret_cast<const char*>(q + n * row_bytes) + g0 * kGroup / 2; }
@@ -231,7 +245,7 @@ inline __m256i fifth_bits(uint32_t bits) {
 // w = (q - 16) * scale, so as int4 the product is scale * sum(q * xq) plus an offset of
 // min = -16 * scale against the group's activation sum (exact: a power-of-2 multiple of the scale).
 struct Int5Weights {
-  static constexpr bool kHasMin = true;
+  static constexpr bool kHasMin = true, kHalfSums = false;
   static constexpr int64_t kBlockBytes = kBlockElems / 2 + 16;
   static constexpr int kSuperBytes = 2 * kBlockBytes;
   const uint8_t* q; const at::Half* scale; int64_t K, G, row_bytes;
@@ -259,12 +273,16 @@ struct Int5Weights {
 // Q6_K: q in 0..63, w = (q - 32) * sub * d with an int8 sub-scale per 16 weights and an fp16 d per
 // 256 (8 groups: one scale vector per 8 groups, broadcast). A block is int4's 64 nibble bytes (the
 // low 4 bits), 32 bytes whose byte i holds the top 2 bits of byte i of vector v in bits 2v, 2v + 1,
-// and the block's 8 sub-scales: groups 0-3's first 16 weights (vectors 0, 1), then their last 16
-// (vectors 2, 3). 104 bytes per 128 weights plus d: Q6_K's 210 bytes per 256. The sub-scales are
-// applied in the integers (vpmaddwd of the 16-bit products by them), so a group's dot product
-// sum(sub * (q - 32) * xq) is exact: at most 32 * 32 * 128 * 127 < 2^24, exact in fp32 too.
+// and the block's 8 sub-scales by group, each group's first 16 weights' (vectors 0, 1), then its
+// last 16's (vectors 2, 3). 104 bytes per 128 weights plus d: Q6_K's 210 bytes per 256.
+// The kernel multiplies the unsigned q (0..63) and takes the offset off afterwards: a group's
+// sum(sub * (q - 32) * xq) = sum(sub * q * xq) - 32 * (sub_0 * h_0 + sub_1 * h_1), h the row's
+// integer sums over each half (QuantX::h). Pairs of q * xq (at most 2 * 63 * 127) and the two
+// vectors of a half (32004) are exact in 16 bits, the sub-scales are applied in the integers
+// (vpmaddwd), and the group's result (at most 32 * 32 * 128 * 127 < 2^24) is exact in fp32 too.
+// (Multiplying q - 32 instead, signed, took two sign operations per vector and row.)
 struct Int6KWeights {
-  static constexpr bool kHasMin = false;
+  static constexpr bool kHasMin = false, kHalfSums = true;
   static constexpr int64_t kBlockBytes = kBlockElems / 2 + 32 + 8;
   static constexpr int kSuperBytes = 2 * kBlockBytes;
   const uint8_t* q; const at::Half* d; int64_t K, G, row_bytes;
@@ -274,32 +292,40 @@ struct Int6KWeights {
   __m256 scales(int64_t n, int64_t g0, int64_t) const {
     return _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(d)[(n * G + g0) / kSuper]));
   }
+  // 32 * (sub_0 * h_0 + sub_1 * h_1) for groups g0 .. g0 + 7 (two blocks: K is a multiple of 256).
+  __m256i offsets(int64_t n, int64_t g0, const int16_t* h) const {
+    const uint8_t* s = q + n * row_bytes + g0 / kBlock * kBlockBytes + kBlockElems / 2 + 32;
+    const __m128i subs = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + kBlockBytes)));
+    const __m256i hs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    return _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(subs), hs), 5);
+  }
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * kBlockBytes;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockElems / 2));
     // 16-bit lanes 2j, 2j + 1 feed 32-bit lane j, which holds group j % 4: each gets its group's sub-scale.
     const __m128i pairs = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kBlockElems / 2 + 32)),
-                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+                                           _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7));
     const __m256i sub = _mm256_cvtepi8_epi16(pairs);  // first halves' scales, then second halves'
     const __m256i sub_h[2] = {_mm256_permute2x128_si256(sub, sub, 0x00), _mm256_permute2x128_si256(sub, sub, 0x11)};
     const __m256i top_bits[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb, _mm256_srli_epi16(hb, 2)};
     for (int h = 0; h < 2; ++h) {  // vectors 2h, 2h + 1: half h of each group
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
-      const __m256i a = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(bytes, lo4),
-                                                        _mm256_and_si256(top_bits[2 * h], top)), bias);
-      const __m256i c = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4),
-                                                        _mm256_and_si256(top_bits[2 * h + 1], top)), bias);
-      const __m256i a_abs = _mm256_sign_epi8(a, a), c_abs = _mm256_sign_epi8(c, c);  // signs move onto x
+      const __m256i a = _mm256_or_si256(_mm256_and_si256(bytes, lo4), _mm256_and_si256(top_bits[2 * h], top));
+      const __m256i c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4),
+                                        _mm256_and_si256(top_bits[2 * h + 1], top));
       for (int r = 0; r < R; ++r) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * h + 32));
-        // Pairs of products of at most 32 * 127: 16256 for the two vectors, exact in 16 bits.
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(x0, a)),
-                                           _mm256_maddubs_epi16(c_abs, _mm256_sign_epi8(x1, c)));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a, x0), _mm256_maddubs_epi16(c, x1));
+#if kVnni
+        acc[r] = h ? _mm256_dpwssd_epi32(acc[r], p, sub_h[h]) : _mm256_madd_epi16(p, sub_h[h]);
+#else
         const __m256i part = _mm256_madd_epi16(p, sub_h[h]);
         acc[r] = h ? _mm256_add_epi32(acc[r], part) : part;
+#endif
       }
     }
   }
@@ -331,48 +357,61 @@ __attribute__((always_inline)) inline void sums8(const W& w, int64_t n, int64_t 
 // reach past the end of the weights is harmless.
 constexpr int64_t kPrefetchAhead = 2048;
 
-// Output row n against R input rows. Each output's sum runs in the same order whatever R is.
-template <int R, class W>
+// Output rows n .. n + C - 1 against R input rows. Each output's sum runs in the same order
+// whatever R and C are: C only interleaves independent sums, for more work in flight per weight
+// (one input row alone, as in decode, otherwise leaves the core waiting on each sum's latency).
+template <int R, int C, class W>
 inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, const float* bias, float* y) {
   const int64_t G = w.G;
-  __m256 acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  __m256 acc[C][R], off[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = off[c][r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < G; g0 += kSuper) {
     const int64_t count = std::min(kSuper, G - g0);
-    const char* ahead = w.bytes(n, g0) + kPrefetchAhead;
-    for (int l = 0; l < W::kSuperBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
     const int8_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = x.row(m0 + r) + g0 * kGroup;
-    __m256i dots[R];
-    sums8<R>(w, n, g0, xr, dots);
-    const __m256 ws = w.scales(n, g0, count);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(ws, _mm256_loadu_ps(x.drow(m0 + r) + g0)), acc[r]);
-    if constexpr (W::kHasMin) {
-      const __m256 wm = w.mins(n, g0, count, ws);
-      for (int r = 0; r < R; ++r) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.srow(m0 + r) + g0), off[r]);
+    for (int c = 0; c < C; ++c) {
+      const char* ahead = w.bytes(n + c, g0) + kPrefetchAhead;
+      for (int l = 0; l < W::kSuperBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      __m256i dots[R];
+      sums8<R>(w, n + c, g0, xr, dots);
+      if constexpr (W::kHalfSums)
+        for (int r = 0; r < R; ++r) dots[r] = _mm256_sub_epi32(dots[r], w.offsets(n + c, g0, x.hrow(m0 + r) + 2 * g0));
+      const __m256 ws = w.scales(n + c, g0, count);
+      for (int r = 0; r < R; ++r)
+        acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(ws, _mm256_loadu_ps(x.drow(m0 + r) + g0)),
+                                    acc[c][r]);
+      if constexpr (W::kHasMin) {
+        const __m256 wm = w.mins(n + c, g0, count, ws);
+        for (int r = 0; r < R; ++r) off[c][r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.srow(m0 + r) + g0), off[c][r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + hsum(off[r]) + (bias ? bias[n] : 0.f);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r)
+      y[(m0 + r) * N + n + c] = hsum(acc[c][r]) + hsum(off[c][r]) + (bias ? bias[n + c] : 0.f);
 }
 
 template <class W>
 torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
-  const QuantX xq = quantize_rows(x.data_ptr<float>(), M, K);
+  const QuantX xq = quantize_rows(x.data_ptr<float>(), M, K, W::kHalfSums);
   auto y = torch::empty({M, N}, x.options());
   const float* bp = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Output rows in order (one sequential stream of weights); a row is read from memory once and
   // stays in L1 for every tile of up to 4 input rows.
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t n = n0;
+    if (M == 1)
+      for (; n + 2 <= n1; n += 2) tile<1, 2>(w, xq, 0, n, N, bp, yp);
+    for (; n < n1; ++n) {
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) tile<4>(w, xq, m, n, N, bp, yp);
+      for (; m + 4 <= M; m += 4) tile<4, 1>(w, xq, m, n, N, bp, yp);
       switch (M - m) {
-        case 3: tile<3>(w, xq, m, n, N, bp, yp); break;
-        case 2: tile<2>(w, xq, m, n, N, bp, yp); break;
-        case 1: tile<1>(w, xq, m, n, N, bp, yp); break;
+        case 3: tile<3, 1>(w, xq, m, n, N, bp, yp); break;
+        case 2: tile<2, 1>(w, xq, m, n, N, bp, yp); break;
+        case 1: tile<1, 1>(w, xq, m, n, N, bp, yp); break;
         default: break;
       }
     }
