@@ -111,6 +111,27 @@ def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path,
     assert "limits measured now: read" in capsys.readouterr().out
 
 
+def test_bench_weight_formats_reports_the_perplexity_difference_and_its_error(tiny_qwen2, tmp_path):
+    """Each format's perplexity comes with its paired difference from the first format's and the
+    standard error of that difference (models/perplexity.relative_perplexity)."""
+    import math
+
+    from hetserve.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper kept a ledger of every ship that passed the point. " * 4)
+    out = tmp_path / "formats.json"
+    assert main(["bench", "weight-formats", "--model", tiny_qwen2, "--formats", "fp32,int4", "--prompts", "2",
+                 "--agreement-tokens", "4", "--runs", "1", "--prompt-tokens", "16", "--output-tokens", "4",
+                 "--bandwidth", "10", "--gemm-peak", "10", "--text", str(text), "--out", str(out)]) == 0
+    formats = json.loads(out.read_text())["formats"]
+    assert formats["fp32"]["perplexity_vs_first"]["relative_pct"] == 0 == formats["fp32"]["perplexity_vs_first"]["se_pct"]
+    diff = formats["int4"]["perplexity_vs_first"]
+    assert diff["tokens"] > 32 and diff["se_pct"] > 0
+    ratio = formats["int4"]["perplexity"] / formats["fp32"]["perplexity"]
+    assert math.isclose(100 * (ratio - 1), diff["relative_pct"], abs_tol=0.01)
+
+
 def test_info_names_the_cpu_and_what_auto_picks():
     from hetserve.layers import native
 

@@ -76,6 +76,13 @@ class LLM:
 
         return perplexity(self.model, self.encode(prompt), chunk)
 
+    def token_logprobs(self, prompt: Prompt, chunk: int = 32):
+        """log p(token i | tokens before it) for every token of a text but the first, as
+        `perplexity` scores them (models/perplexity.py)."""
+        from .models.perplexity import token_logprobs
+
+        return token_logprobs(self.model, self.encode(prompt), chunk)
+
     # -- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Text is tokenized as plain text (special-token spellings stay text); lists are token ids."""

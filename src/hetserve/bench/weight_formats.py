@@ -2,7 +2,9 @@
 
 For each format (one engine each, loaded in turn): greedy agreement with fp32 (20 prompts,
 64 greedy tokens each: the fraction of positions with the same token, and the mean length of
-the common prefix), perplexity of a fixed text (tests/data/perplexity.txt), and the latency
+the common prefix), perplexity of a fixed text (tests/data/perplexity.txt) and how far it is
+from the first format's, with the standard error of that difference (paired per token: a
+difference under about twice it is more than the text resolves), and the latency
 benchmark (prefill --prompt-tokens, decode --output-tokens, one stream, medians of --runs),
 next to a physical limit: weight bytes per decoded token over the read bandwidth, and prefill
 FLOPs over the fp32 GEMM rate (both measured at the start unless --bandwidth / --gemm-peak say).
@@ -11,6 +13,7 @@ FLOPs over the fp32 GEMM rate (both measured at the start unless --bandwidth / -
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -47,6 +50,7 @@ def main(args) -> int:
 
     from ..cli import engine_kwargs
     from ..llm import LLM
+    from ..models.perplexity import relative_perplexity
     from ..sampling_params import SamplingParams
 
     kw = engine_kwargs(args)
@@ -59,7 +63,7 @@ def main(args) -> int:
         args.gemm_peak = round(gemm_gflop_s(torch.float32), 1)
     report = {"benchmark": "weight-formats", "model": args.model, "command": " ".join(sys.argv),
               "bandwidth_gb_s": args.bandwidth, "gemm_peak_gflop_s": args.gemm_peak, "formats": {}}
-    reference = None
+    reference = reference_logp = None
     for fmt in args.formats.split(","):
         kw["weight_format"] = fmt
         t0 = time.perf_counter()
@@ -70,7 +74,13 @@ def main(args) -> int:
         if reference is None:
             reference = outs
         res["agreement_with_first"] = _agreement(reference, outs)
-        res["perplexity"] = round(llm.perplexity(text), 4)
+        logp = llm.token_logprobs(text)
+        res["perplexity"] = round(math.exp(-logp.mean().item()), 4)
+        if reference_logp is None:
+            reference_logp = logp
+        rel, se = relative_perplexity(reference_logp, logp)
+        res["perplexity_vs_first"] = {"relative_pct": round(100 * rel, 3), "se_pct": round(100 * se, 3),
+                                      "tokens": logp.numel()}
         llm.generate([prompt_ids(llm.tokenizer, 32, "warm-up")], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)
         samples = []
@@ -86,11 +96,12 @@ def main(args) -> int:
         report["formats"][fmt] = res
         del llm
     print(f"{'format':<8}{'prefill tok/s':>14}{'(limit)':>9}{'decode tok/s':>13}{'(limit)':>9}{'weights MB':>11}"
-          f"{'ppl':>8}{'same tok':>9}{'prefix':>8}")
+          f"{'ppl':>8}{'vs first (s.e.)':>17}{'same tok':>9}{'prefix':>8}")
     for fmt, r in report["formats"].items():
-        a = r["agreement_with_first"]
+        a, v = r["agreement_with_first"], r["perplexity_vs_first"]
         print(f"{fmt:<8}{r['prefill_tok_s']:>14.1f}{r['prefill_limit_tok_s']:>9.0f}{r['decode_tok_s']:>13.2f}"
               f"{r['decode_limit_tok_s']:>9.0f}{r['decode_weight_bytes'] / 1e6:>11.0f}{r['perplexity']:>8.3f}"
+              f"{v['relative_pct']:>+9.2f}% ({v['se_pct']:.2f})"
               f"{a['same_token_fraction']:>9.3f}{a['mean_common_prefix']:>8.1f}")
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
 """Teacher-forced scoring of a token sequence: the log-probability of each token given the
-ones before it, for perplexity and weight-format accuracy checks."""
+ones before it, for perplexity and weight-format accuracy checks, and the paired comparison of
+two scorings of the same tokens with its standard error."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torc
 
 def perplexity(model: DecoderModel, ids: list[int], chunk: int = 32) -> float:
     return math.exp(-token_logprobs(model, ids, chunk).mean().item())
+
+
+def relative_perplexity(ref: torch.Tensor, new: torch.Tensor, block: int = 16) -> tuple[float, float]:
+    """How much higher `new`'s perplexity is than `ref`'s on the same tokens (a fraction:
+    ppl_new / ppl_ref - 1 = exp(-mean(new - ref)) - 1) and the standard error of that fraction.
+    The error comes from the per-token differences, paired, as batch means over runs of `block`
+    consecutive tokens (neighbouring tokens' differences are correlated, so the naive per-token
+    error would be too small). This is what says whether a text can tell two weight formats
+    apart: a difference smaller than about twice the error is not resolved."""
+    if ref.shape != new.shape or ref.dim() != 1:
+        raise ValueError("the two scorings must be of the same tokens")
+    d = (new - ref).double()
+    runs = d[: d.numel() // block * block].view(-1, block).mean(1)
+    if runs.numel() < 2:
+        raise ValueError(f"a standard error needs at least {2 * block} tokens")
+    mean = d.mean().item()
+    se = runs.std().item() / math.sqrt(runs.numel())
+    return math.expm1(-mean), math.exp(-mean) * se
