@@ -83,7 +83,12 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     assert greedy["fixed-4"]["greedy_tokens"] == greedy["target-only"]["greedy_tokens"]
     assert greedy["fixed-4"]["acceptance_rate"] == 1.0  # the draft is the target itself, same weights
     assert greedy["target-only"]["acceptance_rate"] is None  # K = 0 on the shared engine: no draft
-    assert "ratio" in capsys.readouterr().out
+    for r in rows:  # each run's ratio to the target-only run of its round, the worst printed
+        assert len(r["ratio_per_run"]) == r["runs"] == len(r["decode_tok_s_runs"])
+        base = next(b for b in rows if b["config"] == "target-only" and b["temperature"] == r["temperature"])
+        pairs = zip(r["decode_tok_s_runs"], base["decode_tok_s_runs"])
+        assert r["ratio_per_run"] == [round(a / t, 3) for a, t in pairs]
+    assert "worst run" in capsys.readouterr().out
     # One engine per config, in blocks (the order before interleaving): the same greedy tokens.
     assert main(["bench", "speculative", "--model", tiny_qwen2, "--draft", tiny_qwen2, "--configs",
                  "fixed-4,draft-only", "--prompts", "code", "--temperatures", "0", "--output-tokens", "6",
@@ -125,7 +130,8 @@ def test_bench_weight_formats_reports_the_perplexity_difference_and_its_error(ti
                  "--agreement-tokens", "4", "--runs", "1", "--prompt-tokens", "16", "--output-tokens", "4",
                  "--bandwidth", "10", "--gemm-peak", "10", "--text", str(text), "--out", str(out)]) == 0
     formats = json.loads(out.read_text())["formats"]
-    assert formats["fp32"]["perplexity_vs_first"]["relative_pct"] == 0 == formats["fp32"]["perplexity_vs_first"]["se_pct"]
+    same = formats["fp32"]["perplexity_vs_first"]
+    assert same["relative_pct"] == 0 == same["se_pct"]
     diff = formats["int4"]["perplexity_vs_first"]
     assert diff["tokens"] > 32 and diff["se_pct"] > 0
     ratio = formats["int4"]["perplexity"] / formats["fp32"]["perplexity"]
