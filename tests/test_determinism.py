@@ -95,7 +95,8 @@ def test_kernel_variants_give_the_same_bits(variant):
                 q = getattr(portable, f"quantize_{fmt}")(w)
                 assert all(torch.equal(a, c) for a, c in zip(getattr(ours, f"quantize_{fmt}")(w), q))
                 linear = f"{fmt}_linear"
-                assert torch.equal(getattr(ours, linear)(x, *q, b), getattr(portable, linear)(x, *q, b))
+                for passes in (1, 2):
+                    assert torch.equal(getattr(ours, linear)(x, *q, b, passes), getattr(portable, linear)(x, *q, b, passes))
     from test_weight_formats import file_format
 
     for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
@@ -103,8 +104,9 @@ def test_kernel_variants_give_the_same_bits(variant):
         b = torch.randn(67)
         for m in (1, 2, 3, 4, 5, 17):
             x = torch.randn(m, k)
-            args = (x, qw.q, qw.scale, b)
-            assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
+            for passes in (1, 2):
+                args = (x, qw.q, qw.scale, b, passes)
+                assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
 
 
 def test_forced_variant(monkeypatch):
@@ -116,10 +118,10 @@ def test_forced_variant(monkeypatch):
         native.variant()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8"])
-def test_engine_output_is_batch_and_chunk_invariant(tiny_qwen2, fmt):
+@pytest.mark.parametrize("fmt,rounding", [("fp32", "int8"), ("int8", "int8"), ("int8", "int8x2")])
+def test_engine_output_is_batch_and_chunk_invariant(tiny_qwen2, fmt, rounding):
     """A request's greedy tokens and their logprobs are the same alone, inside batches of every
-    size, and with its prefill cut into chunks of any size."""
+    size, and with its prefill cut into chunks of any size (int8x2: two activation passes)."""
     if fmt != "fp32" and not native.available():
         pytest.skip(f"{fmt} needs the native extension: {native.describe()}")
     from hetserve import LLM
@@ -129,7 +131,8 @@ def test_engine_output_is_batch_and_chunk_invariant(tiny_qwen2, fmt):
 
     def run(batch: list[list[int]], **kw):
         llm = LLM(model=tiny_qwen2, kv_cache_memory="4MiB", page_size=4, deterministic=True, weight_format=fmt,
-                  enable_prefix_caching=False, **kw)
+                  activation_rounding=rounding, enable_prefix_caching=False, **kw)
+        assert llm.model.policy.activation_passes == (2 if rounding == "int8x2" else 1)
         outs = llm.generate(batch, params, use_tqdm=False)
         assert llm.engine.num_free_pages == llm.engine.pool.num_blocks
         return [(o.token_ids, o.logprobs) for o in outs]

@@ -33,6 +33,8 @@ _ENGINE_HELP = {
     "weight_format": "linear weights: fp32 (exact), int8, int4, gguf (the file's own blocks where a kernel holds "
                      "them), or auto (gguf on AVX2 CPUs, fp32 elsewhere)",
     "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM",
+    "activation_rounding": "activations in the quantized kernels: int8 (per group of 32, as llama.cpp) or int8x2 "
+                           "(a second int8 pass over what the first left: fp32's perplexity, slower decode)",
     "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
                       "with AMX-BF16 or AVX512-BF16 when the weights are quantized, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",

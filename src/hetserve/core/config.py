@@ -39,6 +39,7 @@ class EngineConfig:
     gemv_max_rows: int = 2  # per-row matrix-vector products for 2..N rows (0 = off); measured: bench matmul
     weight_format: str = "auto"  # fp32 | int8 | int4 | gguf | auto (gguf on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
+    activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
     prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
@@ -74,6 +75,8 @@ class EngineConfig:
                                  "(auto, fp32, int8, int4, gguf)")
         if self.prefill_format not in ("auto", "fp32", "bf16"):
             raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16)")
+        if self.activation_rounding not in ("int8", "int8x2"):
+            raise ValueError(f"activation_rounding must be int8 or int8x2, got {self.activation_rounding!r}")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
             raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)

@@ -69,6 +69,8 @@ class EngineCore:
             m.policy.deterministic = config.deterministic
             m.policy.gemv_max_rows = config.gemv_max_rows
             m.policy.quant_max_rows = config.quant_max_rows
+        # The draft keeps one pass: the target verifies every token it proposes.
+        model.policy.activation_passes = 2 if config.activation_rounding == "int8x2" else 1
         self.pool = BlockPool(num_pages, config.page_size)
         # The contiguous layout reserves whole regions per request, so it shares no pages.
         caching = config.enable_prefix_caching and config.kv_cache == "paged"

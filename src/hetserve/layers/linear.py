@@ -31,6 +31,7 @@ class MatmulPolicy:
     gemv_max_rows: int = 0
     deterministic: bool = False
     quant_max_rows: int = 32
+    activation_passes: int = 1  # int8 roundings of each activation row in the quantized kernels (1 or 2)
 
 
 def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,7 +81,7 @@ class Linear:
         p = self.policy
         if self.qweight is not None and (p.deterministic or m <= p.quant_max_rows):
             with trace.span("matmul", op=self.name, impl=self.qweight.fmt, rows=m):
-                return self.qweight.matmul(x, self.bias)
+                return self.qweight.matmul(x, self.bias, p.activation_passes)
         if p.deterministic:
             with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
                 return fixed_order_linear(x, self.weight, self.bias)

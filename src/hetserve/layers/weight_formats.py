@@ -66,15 +66,17 @@ class QuantizedWeight:
     scale: torch.Tensor
     min: torch.Tensor | None = None
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, passes: int = 1) -> torch.Tensor:
+        """x's rows quantized to int8 per group of 32 in `passes` passes (2: the second rounds
+        what the first left, for about 15 bits an element; EngineConfig.activation_rounding)."""
         x = x.float().contiguous()
         if self.fmt == "int8":
-            return kernels().int8_linear(x, self.q, self.scale, bias)
+            return kernels().int8_linear(x, self.q, self.scale, bias, passes)
         if self.fmt == "int4":
-            return kernels().int4_linear(x, self.q, self.scale, self.min, bias)
+            return kernels().int4_linear(x, self.q, self.scale, self.min, bias, passes)
         if self.fmt == "q5_0":
-            return kernels().q5_0_linear(x, self.q, self.scale, bias)
-        return kernels().q6_k_linear(x, self.q, self.scale, bias)
+            return kernels().q5_0_linear(x, self.q, self.scale, bias, passes)
+        return kernels().q6_k_linear(x, self.q, self.scale, bias, passes)
 
     @property
     def groups(self) -> int:
@@ -130,8 +132,8 @@ class StackedWeight:
     def fmt(self) -> str:
         return "+".join(dict.fromkeys(p.fmt for p in self.parts))
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch.cat([p.matmul(x, None) for p in self.parts], dim=1)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, passes: int = 1) -> torch.Tensor:
+        y = torch.cat([p.matmul(x, None, passes) for p in self.parts], dim=1)
         return y if bias is None else y.add_(bias)
 
     def dequantize(self) -> torch.Tensor:

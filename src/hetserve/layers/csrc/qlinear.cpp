@@ -101,8 +101,10 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
 
-// Quantizes group g of a row (32 floats at x) into the interleaved int8 row `q`.
-inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s, int16_t* h) {
+// Quantizes group g of a row (32 floats at x) into the interleaved int8 row `q`; where `residual`
+// is given, writes x - d * xq there (what the rounding left, for a second pass).
+inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s, int16_t* h,
+                           float* residual = nullptr) {
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -131,17 +133,32 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
     h[0] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i0, i1)));
     h[1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i2, i3)));
   }
+  if (residual) {
+    const __m256 vd = _mm256_set1_ps(dd);
+    const __m256 v[4] = {v0, v1, v2, v3};
+    const __m256i iq[4] = {i0, i1, i2, i3};
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_ps(residual + 8 * c, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iq[c]), vd, v[c]));
+  }
 }
 
-QuantX quantize_rows(const float* x, int64_t M, int64_t K, bool half_sums) {
-  const int64_t G = K / kGroup, Gp = (G + kSuper - 1) / kSuper * kSuper;
-  QuantX out{G, Gp, std::vector<int8_t>(M * Gp * kGroup, 0), std::vector<float>(M * Gp, 0.f),
-             std::vector<float>(M * Gp, 0.f), std::vector<int16_t>(half_sums ? M * Gp * 2 : 0, 0)};
+// Rows of x as `passes` (1 or 2) quantized rows each: with 2, row 2m + 1 is the int8 rounding of
+// what row 2m's left (x - d * xq, at most d / 2 an element), so the pair carries x to about
+// d / 508 instead of d / 2: about 15 bits an element instead of 8 (EngineConfig.activation_rounding).
+QuantX quantize_rows(const float* x, int64_t M, int64_t K, bool half_sums, int64_t passes) {
+  const int64_t G = K / kGroup, Gp = (G + kSuper - 1) / kSuper * kSuper, Mq = M * passes;
+  QuantX out{G, Gp, std::vector<int8_t>(Mq * Gp * kGroup, 0), std::vector<float>(Mq * Gp, 0.f),
+             std::vector<float>(Mq * Gp, 0.f), std::vector<int16_t>(half_sums ? Mq * Gp * 2 : 0, 0)};
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
+    alignas(32) float left[kGroup];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / G, g = i % G;
-      quantize_group(x + i * kGroup, g, out.q.data() + m * Gp * kGroup, &out.d[m * Gp + g], &out.s[m * Gp + g],
-                     half_sums ? &out.h[(m * Gp + g) * 2] : nullptr);
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t r = m * passes + p;
+        quantize_group(p ? left : x + i * kGroup, g, out.q.data() + r * Gp * kGroup, &out.d[r * Gp + g],
+                       &out.s[r * Gp + g], half_sums ? &out.h[(r * Gp + g) * 2] : nullptr,
+                       p + 1 < passes ? left : nullptr);
+      }
     }
   });
   return out;
@@ -392,12 +409,16 @@ inline void tile(const W& w, const QuantX& x, int64_t m0, int64_t n, int64_t N, 
       y[(m0 + r) * N + n + c] = hsum(acc[c][r]) + hsum(off[c][r]) + (bias ? bias[n + c] : 0.f);
 }
 
+// With 2 passes each row runs as its two quantized rows (one weight load serves both, as any
+// rows of a tile), and their outputs are added, then the bias: in the same order for every row.
 template <class W>
-torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1);
-  const QuantX xq = quantize_rows(x.data_ptr<float>(), M, K, W::kHalfSums);
+torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias,
+                  int64_t passes) {
+  TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2");
+  const int64_t K = x.size(1), M = x.size(0) * passes;
+  const QuantX xq = quantize_rows(x.data_ptr<float>(), x.size(0), K, W::kHalfSums, passes);
   auto y = torch::empty({M, N}, x.options());
-  const float* bp = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const float* bp = bias && bias->defined() && passes == 1 ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Output rows in order (one sequential stream of weights); a row is read from memory once and
   // stays in L1 for every tile of up to 4 input rows.
@@ -416,7 +437,10 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
       }
     }
   });
-  return y;
+  if (passes == 1) return y;
+  auto pairs = y.view({x.size(0), 2, N});
+  auto out = pairs.select(1, 0) + pairs.select(1, 1);
+  return bias && bias->defined() ? out.add_(*bias) : out;
 }
 
 // x [M, K] against weights q [N, ceil(G/4) * block_bytes] (G = K/32 groups, `block_bytes` per
@@ -439,18 +463,19 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
                 "bias must be contiguous fp32 [N]");
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                          int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(),
               "q must be contiguous int8 [N, ceil(K/128) * 128]");
   check(x, q, kBlockElems, scale);
   const int64_t N = q.size(0), K = x.size(1);
   check_bias(bias, N);
   return run(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / kGroup, q.size(1)}, x, N,
-             bias);
+             bias, passes);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min,
-                          c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> bias, int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
               "q must be contiguous uint8 [N, ceil(K/128) * 64]");
   check(x, q, kBlockElems / 2, scale);
@@ -460,25 +485,29 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   check_bias(bias, N);
   return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), K, K / kGroup,
                          q.size(1)},
-             x, N, bias);
+             x, N, bias, passes);
 }
 
-torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                          int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
               "q must be contiguous uint8 [N, ceil(K/128) * 80]");
   check(x, q, Int5Weights::kBlockBytes, scale);
   const int64_t N = q.size(0), K = x.size(1);
   check_bias(bias, N);
-  return run(Int5Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias);
+  return run(Int5Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias,
+             passes);
 }
 
-torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10::optional<torch::Tensor> bias) {
+torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10::optional<torch::Tensor> bias,
+                          int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
               "q must be contiguous uint8 [N, K/128 * 104]");
   check(x, q, Int6KWeights::kBlockBytes, d, kSuper);  // d: one scale per 8 groups, [N, K/256]
   const int64_t N = q.size(0), K = x.size(1);
   check_bias(bias, N);
-  return run(Int6KWeights{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias);
+  return run(Int6KWeights{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias,
+             passes);
 }
 
 // Quantizers: one pass over the fp32 weights. Values are rounded against the fp16 scale (and
@@ -554,10 +583,15 @@ void register_f32_linear(pybind11::module& m);  // f32linear.cpp: fixed-order fp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
   register_f32_linear(m);
-  m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32)");
+  namespace py = pybind11;
+  m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32; passes: 1 or 2)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias"), py::arg("passes") = 1);
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, ceil(K/128) * 128], scale fp16 [N, K/32])");
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/128) * 64], scale, min fp16 [N, K/32])");
-  m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)");
-  m.def("q5_0_linear", &q5_0_linear, "x . GGUF Q5_0 weights repacked (int8 activations per group of 32)");
-  m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights repacked (int8 activations per group of 32)");
+  m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("min"), py::arg("bias"), py::arg("passes") = 1);
+  m.def("q5_0_linear", &q5_0_linear, "x . GGUF Q5_0 weights repacked (int8 activations per group of 32)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias"), py::arg("passes") = 1);
+  m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights repacked (int8 activations per group of 32)",
+        py::arg("x"), py::arg("q"), py::arg("d"), py::arg("bias"), py::arg("passes") = 1);
 }
