@@ -122,7 +122,6 @@ def test_two_activation_passes_carry_the_row_to_about_15_bits(fmt):
     err1 = (qw.matmul(x, None, 1).double() - exact).abs().max().item()
     two = qw.matmul(x, None, 2)
     err2 = (two.double() - exact).abs().max().item()
-    print(fmt, err1, err2)
     assert err2 < err1 / 30, (err1, err2)
     assert torch.equal(qw.matmul(x, b, 2), two + b)
     for i in (0, 3, 6):

@@ -72,9 +72,9 @@ class LLM:
     def perplexity(self, prompt: Prompt, chunk: int = 32) -> float:
         """Teacher-forced perplexity of a text (or token ids) under this engine's weights, fed
         `chunk` tokens per forward (chunks up to quant_max_rows run the int8/int4 kernels)."""
-        from .models.perplexity import perplexity
+        from .models.perplexity import from_logprobs
 
-        return perplexity(self.model, self.encode(prompt), chunk)
+        return from_logprobs(self.token_logprobs(prompt, chunk))
 
     def token_logprobs(self, prompt: Prompt, chunk: int = 32):
         """log p(token i | tokens before it) for every token of a text but the first, as

@@ -13,7 +13,6 @@ FLOPs over the fp32 GEMM rate (both measured at the start unless --bandwidth / -
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ def main(args) -> int:
 
     from ..cli import engine_kwargs
     from ..llm import LLM
-    from ..models.perplexity import relative_perplexity
+    from ..models.perplexity import from_logprobs, relative_perplexity
     from ..sampling_params import SamplingParams
 
     kw = engine_kwargs(args)
@@ -75,7 +74,7 @@ def main(args) -> int:
             reference = outs
         res["agreement_with_first"] = _agreement(reference, outs)
         logp = llm.token_logprobs(text)
-        res["perplexity"] = round(math.exp(-logp.mean().item()), 4)
+        res["perplexity"] = round(from_logprobs(logp), 4)
         if reference_logp is None:
             reference_logp = logp
         rel, se = relative_perplexity(reference_logp, logp)

@@ -34,8 +34,13 @@ def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torc
     return torch.cat(out)
 
 
+def from_logprobs(logprobs: torch.Tensor) -> float:
+    """The perplexity that per-token log-probabilities (token_logprobs) give."""
+    return math.exp(-logprobs.mean().item())
+
+
 def perplexity(model: DecoderModel, ids: list[int], chunk: int = 32) -> float:
-    return math.exp(-token_logprobs(model, ids, chunk).mean().item())
+    return from_logprobs(token_logprobs(model, ids, chunk))
 
 
 def relative_perplexity(ref: torch.Tensor, new: torch.Tensor, block: int = 16) -> tuple[float, float]:

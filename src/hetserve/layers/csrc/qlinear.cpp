@@ -127,11 +127,11 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
   // error is sum_i w_i e_i. With the exact sum, min * sum_i e_i was left over, and since int4
   // groups carry a large offset (min) that doubled the output error of an int4 linear.
   // (Lane sums of at most 4 * 127 and their total, at most 32 * 127, are exact in fp32.)
-  const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-  *s = dd * hsum(_mm256_cvtepi32_ps(isum));
+  const __m256i first = _mm256_add_epi32(i0, i1), second = _mm256_add_epi32(i2, i3);  // the two halves
+  *s = dd * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(first, second)));
   if (h) {
-    h[0] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i0, i1)));
-    h[1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(i2, i3)));
+    h[0] = static_cast<int16_t>(hsum_epi32(first));
+    h[1] = static_cast<int16_t>(hsum_epi32(second));
   }
   if (residual) {
     const __m256 vd = _mm256_set1_ps(dd);
@@ -418,7 +418,8 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   const int64_t K = x.size(1), M = x.size(0) * passes;
   const QuantX xq = quantize_rows(x.data_ptr<float>(), x.size(0), K, W::kHalfSums, passes);
   auto y = torch::empty({M, N}, x.options());
-  const float* bp = bias && bias->defined() && passes == 1 ? bias->data_ptr<float>() : nullptr;
+  const bool has_bias = bias && bias->defined();
+  const float* bp = has_bias && passes == 1 ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Output rows in order (one sequential stream of weights); a row is read from memory once and
   // stays in L1 for every tile of up to 4 input rows.
@@ -440,7 +441,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   if (passes == 1) return y;
   auto pairs = y.view({x.size(0), 2, N});
   auto out = pairs.select(1, 0) + pairs.select(1, 1);
-  return bias && bias->defined() ? out.add_(*bias) : out;
+  return has_bias ? out.add_(*bias) : out;
 }
 
 // x [M, K] against weights q [N, ceil(G/4) * block_bytes] (G = K/32 groups, `block_bytes` per
