@@ -150,3 +150,35 @@ def test_info_names_the_cpu_and_what_auto_picks():
     assert info["weight_format"] in ("gguf", "fp32") and info["prefill_format"] in ("bf16", "fp32")
     if info["prefill_format"] == "bf16":
         assert {"amx_bf16", "avx512_bf16"} & set(info["cpu_flags"])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp32"])
+def test_bench_matmul_times_each_path_a_linear_can_take(tiny_qwen2, tmp_path, fmt):
+    """Per kernel format and for the whole step: the kernel (quantized formats) or per-row GEMV
+    (fp32 weights) against GEMM at each row count, and the crossover read off those times."""
+    from hetserve.bench.matmul import STEP, kernel_wins_up_to
+    from hetserve.cli import main
+
+    out = tmp_path / "matmul.json"
+    assert main(["bench", "matmul", "--model", tiny_qwen2, "--weight-format", fmt, "--rows", "1,3,40",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    own = "kernel" if fmt == "int8" else "gemv"
+    assert set(report["results"]) == {fmt, STEP}
+    for name, rows in report["results"].items():
+        assert [r["rows"] for r in rows] == [1, 3, 40]
+        for r in rows:
+            assert r["gemm_ms"] > 0 and r["best"] in ("gemm", own)
+            assert (f"{own}_ms" in r) == (own == "kernel" or r["rows"] > 1)  # one row: GEMV is the GEMM call
+        assert report["faster_than_gemm_up_to"][name] == kernel_wins_up_to(rows)
+    assert report["quant_max_rows"] == 32
+
+
+def test_kernel_wins_up_to_counts_only_an_unbroken_run_of_wins():
+    from hetserve.bench.matmul import kernel_wins_up_to
+
+    rows = [{"rows": 1, "kernel_ms": 1, "gemm_ms": 5}, {"rows": 4, "kernel_ms": 2, "gemm_ms": 5},
+            {"rows": 8, "kernel_ms": 6, "gemm_ms": 5}, {"rows": 16, "kernel_ms": 4, "gemm_ms": 5}]
+    assert kernel_wins_up_to(rows) == 4  # 16 won again, past a loss: noise, not a crossover
+    assert kernel_wins_up_to([{"rows": 1, "kernel_ms": 9, "gemm_ms": 5}]) == 0
+    assert kernel_wins_up_to([{"rows": 1, "gemm_ms": 5}, {"rows": 2, "gemv_ms": 4, "gemm_ms": 5}]) == 2

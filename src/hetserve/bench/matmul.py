@@ -1,86 +1,127 @@
-"""`hetserve bench matmul`: one decode step's linear layers, GEMM vs per-row GEMV, by row count.
+"""`hetserve bench matmul`: where a step's linears should leave the quantized kernels for GEMM.
 
-Uses the model's real shapes (from its GGUF metadata) with random fp32 weights, one
-distinct matrix per layer so that, as in a real step, the weights do not fit in cache.
-Reports kernel-only aggregate tok/s (rows / step time) and the fastest choice per M;
-the largest M where per-row GEMV wins is the suggested --gemv-max-rows.
+Loads the model as the engine does (--weight-format, --prefill-format) and times, at each row
+count, every linear of one step through each path the engine can give it: the quantized kernel
+on the weight's own format (int8, int4, q5_0, q6_k), the GEMM that steps past --quant-max-rows
+run (bf16 on CPUs with native bf16, else fp32) and, for linears with fp32 weights only, one
+matrix-vector product per row (--gemv-max-rows). The linears run in model order, each layer
+its own matrix, so their weights stream from memory as in a real step.
+
+Reported per kernel format (the model's linears of that format together, output head included)
+and for the whole step: ms per path at each row count, and the largest row count up to which
+the kernel beats GEMM at every row count measured: the crossover for that format on this CPU.
+The engine's --quant-max-rows is one number for every format and also fixes which steps share
+decode's numerics (layers/prefill_formats.py says why it stays 32), so this reports, it does not
+change it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .limits import median_time
 
+STEP = "step"  # every linear of the model
 
-def _shapes(cfg) -> list[tuple[str, int, int]]:
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    q = cfg.num_heads * cfg.head_dim
-    return [("qkv", q + 2 * kv, h), ("o", h, q), ("gate_up", 2 * cfg.intermediate_size, h),
-            ("down", h, cfg.intermediate_size)]  # as fused at load
+
+def _paths(lin, passes: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ways the engine can run this linear, by name (what Linear.__call__ chooses between)."""
+    paths = {}
+    if lin.qweight is not None:
+        paths["kernel"] = lambda x: lin.qweight.matmul(x, lin.bias, passes)
+    if lin.weight.dtype == torch.float32:
+        paths["gemm"] = lambda x: F.linear(x, lin.weight, lin.bias)
+        if lin.qweight is None:
+            paths["gemv"] = lambda x: torch.cat([F.linear(x[i:i + 1], lin.weight, lin.bias) for i in range(len(x))])
+    else:  # a bf16 GEMM copy (Linear.use_gemm_dtype): bf16 in, fp32 accumulation and out
+        paths["gemm"] = lambda x: F.linear(x.to(lin.weight.dtype), lin.weight).float() + (
+            0 if lin.bias is None else lin.bias)
+    return paths
+
+
+def _groups(model) -> dict[str, list]:
+    """The model's linears by kernel format ("fp32" where none), then all of them."""
+    groups: dict[str, list] = {}
+    for lin in model.linears():
+        groups.setdefault(lin.qweight.fmt if lin.qweight is not None else "fp32", []).append(lin)
+    return {**dict(sorted(groups.items())), STEP: model.linears()}
+
+
+def measure(model, rows_list: list[int], repeats: int, passes: int = 1) -> dict[str, list[dict]]:
+    """{group: [{rows, <path>_ms..., best}]}: each path's median time over the group's linears."""
+    results: dict[str, list[dict]] = {}
+    with torch.inference_mode():
+        for m in rows_list:
+            gen = torch.Generator().manual_seed(m)
+            xs = {w: torch.randn(m, w, generator=gen) for w in {lin.weight.shape[1] for lin in model.linears()}}
+            for name, lins in _groups(model).items():
+                calls = [(_paths(lin, passes), xs[lin.weight.shape[1]]) for lin in lins]
+                shared = set.intersection(*(set(p) for p, _ in calls))  # paths every linear here has
+                if m == 1:
+                    shared.discard("gemv")  # one row: it is the GEMM call
+                row = {"rows": m}
+                for path in sorted(shared):
+                    t = median_time(lambda: [p[path](x) for p, x in calls], repeats)
+                    row[f"{path}_ms"] = round(t * 1e3, 2)
+                row["best"] = min(shared, key=lambda path: row[f"{path}_ms"])
+                results.setdefault(name, []).append(row)
+    return results
+
+
+def kernel_wins_up_to(rows: list[dict], rival: str = "gemm") -> int:
+    """The largest row count up to which the kernel (else per-row GEMV) was faster than `rival` at
+    every measured row count where it differs from it (0: not even at the smallest)."""
+    best = 0
+    for r in sorted(rows, key=lambda r: r["rows"]):
+        own = r.get("kernel_ms", r.get("gemv_ms"))
+        if own is None:  # fp32 at one row: per-row GEMV is the GEMM call itself
+            continue
+        if own >= r[f"{rival}_ms"]:
+            break
+        best = r["rows"]
+    return best
 
 
 def main(args) -> int:
-    from ..models import registry
-    from ..models.config import ModelConfig
-    from ..models.gguf_loader import GGUFFile
+    from ..cli import engine_kwargs
+    from ..llm import LLM
 
-    path = registry.resolve(args.model)
-    with GGUFFile(path) as f:
-        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
-    torch.manual_seed(0)
-    layers = [[torch.randn(o, i) * 0.02 for _, o, i in _shapes(cfg)] for _ in range(cfg.num_layers)]
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
-    rows_list = [int(m) for m in args.rows.split(",")]
-    results = []
-    with torch.inference_mode():
-        for m in rows_list:
-            xs = {i: torch.randn(m, i) for _, _, i in _shapes(cfg)}
-            xs[cfg.hidden_size] = torch.randn(m, cfg.hidden_size)
-
-            def gemm():
-                for ws in layers:
-                    for w in ws:
-                        F.linear(xs[w.shape[1]], w)
-                F.linear(xs[cfg.hidden_size], head)
-
-            def gemv():
-                for ws in layers:
-                    for w in ws:
-                        x = xs[w.shape[1]]
-                        for r in range(m):
-                            F.linear(x[r:r + 1], w)
-                x = xs[cfg.hidden_size]
-                for r in range(m):
-                    F.linear(x[r:r + 1], head)
-
-            t_gemm = median_time(gemm, args.repeats)
-            t_gemv = median_time(gemv, args.repeats) if m > 1 else t_gemm
-            results.append({"rows": m, "gemm_ms": round(t_gemm * 1e3, 1), "gemv_ms": round(t_gemv * 1e3, 1),
-                            "gemm_tok_s": round(m / t_gemm, 2), "gemv_tok_s": round(m / t_gemv, 2),
-                            "best": "gemv" if t_gemv < t_gemm else "gemm"})
-    print(f"{cfg.name}: fp32 linear layers of one step ({cfg.num_layers} layers + lm_head), "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'rows':>5}{'GEMM ms':>10}{'GEMV ms':>10}{'GEMM tok/s':>12}{'GEMV tok/s':>12}  best")
-    for r in results:
-        print(f"{r['rows']:>5}{r['gemm_ms']:>10.1f}{r['gemv_ms']:>10.1f}{r['gemm_tok_s']:>12.2f}"
-              f"{r['gemv_tok_s']:>12.2f}  {r['best']}")
-    threshold = max((r["rows"] for r in results if r["best"] == "gemv" and r["rows"] > 1), default=0)
-    print(f"suggested --gemv-max-rows: {threshold}")
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    model, cfg = llm.model, llm.config
+    rows_list = sorted({int(m) for m in args.rows.split(",")})
+    passes = 2 if cfg.activation_rounding == "int8x2" else 1
+    results = measure(model, rows_list, args.repeats, passes)
+    gemm_dtype = "bf16" if cfg.prefill_format == "bf16" else "fp32"
+    crossover = {name: kernel_wins_up_to(rows) for name, rows in results.items()}
+    print(f"{args.model}: one step's linears by kernel format, weights {cfg.weight_format}, GEMM {gemm_dtype}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats} (ms a step)")
+    counts = {name: len(lins) for name, lins in _groups(model).items()}
+    for name, rows in results.items():
+        paths = [k[:-3] for k in rows[-1] if k.endswith("_ms")]
+        print(f"\n{name} ({counts[name]} linears)\n{'rows':>6}" + "".join(f"{p + ' ms':>12}" for p in paths) + "  best")
+        for r in rows:
+            print(f"{r['rows']:>6}" + "".join(f"{r[p + '_ms']:>12.2f}" if p + "_ms" in r else f"{'-':>12}"
+                                             for p in paths) + f"  {r['best']}")
+        print(f"  faster than GEMM up to {crossover[name]} rows (of those measured)")
+    print(f"\nengine now: --quant-max-rows {cfg.quant_max_rows}, --gemv-max-rows {cfg.gemv_max_rows}")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"benchmark": "matmul", "model": args.model, "results": results,
-                       "suggested_gemv_max_rows": threshold}, fh, indent=2)
+            json.dump({"benchmark": "matmul", "model": args.model, "weight_format": cfg.weight_format,
+                       "gemm_dtype": gemm_dtype, "threads": torch.get_num_threads(), "results": results,
+                       "faster_than_gemm_up_to": crossover,
+                       "quant_max_rows": cfg.quant_max_rows, "gemv_max_rows": cfg.gemv_max_rows}, fh, indent=2)
     return 0
 
 
 def add_parser(sub, add_model_flag, add_engine_flags) -> None:
-    p = sub.add_parser("matmul", help="GEMM vs per-row GEMV for one decode step's linears, by row count")
+    p = sub.add_parser("matmul", help="a step's linears by kernel format: quantized kernel vs GEMM, by row count")
     add_model_flag(p)
-    p.add_argument("--rows", default="1,2,4,8,16,32")
+    add_engine_flags(p)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)
