@@ -246,6 +246,21 @@ def test_linear_uses_the_quantized_weights_up_to_the_row_threshold():
     assert torch.equal(lin(large), lin.qweight.matmul(large, None))
 
 
+def test_linear_runs_small_fp32_steps_row_by_row_where_asked():
+    """--gemv-max-rows N: fp32 steps of 2..N rows are N matrix-vector products, each row the same
+    call as a one-row step; off (0) by default."""
+    from hetserve.core.config import EngineConfig
+
+    assert EngineConfig().gemv_max_rows == 0
+    torch.manual_seed(3)
+    w, b = torch.randn(24, 64), torch.randn(24)
+    lin = Linear(w, b, MatmulPolicy(gemv_max_rows=3))
+    x = torch.randn(4, 64)
+    rows = torch.cat([lin(x[i:i + 1]) for i in range(3)])
+    assert torch.equal(lin(x[:3]), rows)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b))  # 4 rows: one GEMM
+
+
 def test_config_rejects_an_unknown_activation_rounding():
     from hetserve.core.config import EngineConfig
 
