@@ -36,7 +36,7 @@ class EngineConfig:
     single_flight: str = "after-prefill"  # or at-completion, off
     trace_directory: str | None = None  # write a Chrome/Perfetto trace per process here
     torch_profile: str | None = None  # write a torch.profiler trace of 10 steps here
-    gemv_max_rows: int = 0  # per-row matrix-vector products for 2..N rows (0 = off): a BLAS-specific win, see bench matmul
+    gemv_max_rows: int = 0  # per-row matrix-vector products for 2..N rows (0 = off); see bench matmul
     weight_format: str = "auto"  # fp32 | int8 | int4 | gguf | auto (gguf on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
