@@ -1,5 +1,6 @@
-"""The API process side of serving: worker processes, tokenization off the event loop,
-incremental detokenization and stop strings, per-request streams, metrics.
+"""The API process side of serving: tokenization off the event loop, routing each request to
+a worker (serving/worker_pool.py starts and watches them), incremental detokenization and stop
+strings, per-request streams, KV transfers between disaggregated workers, metrics.
 
 Each request gets an asyncio queue that the output loop fills from worker messages.
 A request that is cancelled (client gone) or ends by a stop string is aborted in its
@@ -17,7 +18,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -30,11 +31,11 @@ from ..models.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from . import ipc
 from .dashboard import LiveStats
-from .devices import WorkerSpec, parse_devices
-from .links import LocalLink, RayLink, connect_ray, ray_options
+from .devices import parse_devices
 from .metrics import Metrics
 from .router import NoWorker, Profile, Router, WorkerView, choose_split
 from .tokenizer_service import TokenizeBudgetExceeded, TokenizeFailed, TokenizerPool
+from .worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("hetserve.frontend")
 
@@ -67,7 +68,7 @@ class Delta:
 
 @dataclass
 class _Stream:
-    worker: "WorkerHandle"
+    worker: WorkerHandle
     state: RequestState
     queue: asyncio.Queue
     arrival: float
@@ -81,23 +82,6 @@ class _Stream:
     transfer_start: float = 0.0
     transfer_bytes: int = 0
     prefill_worker: str | None = None
-
-
-@dataclass
-class WorkerHandle:
-    name: str
-    spec: WorkerSpec
-    link: LocalLink | RayLink | None = None  # how frames reach it (serving/links.py)
-    ready: ipc.Ready | None = None
-    state: ipc.WorkerState | None = None
-    alive: bool = False
-    requests: set[str] = field(default_factory=set)
-    last_seen: float = 0.0  # monotonic time of its last message (heartbeats included)
-    dead: str | None = None  # why it left the routing
-
-    @property
-    def status(self) -> str:
-        return "dead" if self.dead else "up" if self.alive else "loading"
 
 
 def parse_disaggregate(value: str | None, workers: list[str]) -> tuple[str, str] | str | None:
@@ -129,7 +113,6 @@ class Frontend:
         else counts as fast as the others (the cost policy then balances work only).
         ray_address: the Ray cluster of `ray:` devices (None: a local one is started);
         ray_restarts: times Ray restarts a dead worker actor, which then rejoins."""
-        self.model_arg = model  # what a Ray worker resolves on its own node
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         with GGUFFile(self.model_path) as f:
@@ -149,7 +132,6 @@ class Frontend:
                 raise ValueError(f"a profile is for --inference-device {prof.device!r}, which is not served "
                                  f"(devices: {', '.join(self.devices)})")
             self.profiles[prof.device] = prof
-        self.measure_profiles = measure_profiles
         self.disaggregate = parse_disaggregate(disaggregate, [w.name for w in self.specs])
         self.transfer_bytes_per_s = transfer_bytes_per_s  # the auto split's estimate of KV transfer speed
         self.router: Router | None = None
@@ -157,10 +139,7 @@ class Frontend:
         self.live = LiveStats()  # what the web page's dashboard shows
         self.max_queued_requests = max_queued_requests
         self.startup_timeout = startup_timeout
-        self.worker_timeout = worker_timeout
         self.metrics = Metrics()
-        self.workers: list[WorkerHandle] = []
-        self._named: dict[str, WorkerHandle] = {}  # the same workers by name (routing, every frame)
         self.streams: dict[str, _Stream] = {}
         self.draining = False
         self._ids = itertools.count()
@@ -174,7 +153,12 @@ class Frontend:
         self.template_error: str | None = None  # the model's template failed its load-time check
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
-        self.ray_address, self.ray_restarts = ray_address, ray_restarts
+        # One worker needs no profile: there is nothing to choose between.
+        needs_profile = {ws.spec for ws in self.specs if ws.spec not in self.profiles} \
+            if measure_profiles and len(self.specs) > 1 else set()
+        self.pool = WorkerPool(self.specs, self.model_path, model, self._dir, needs_profile, ray_address,
+                               ray_restarts, worker_timeout)
+        self.workers, self._named = self.pool.workers, self.pool.named
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -188,34 +172,9 @@ class Frontend:
             log.warning("the model's chat template did not render a probe conversation: %s", e)
         inbox = f"ipc://{self._dir}/out"
         self._inbox.bind(inbox)
-        if any(ws.ray for ws in self.specs):
-            connect_ray(self.ray_address)
-        for i, ws in enumerate(self.specs):
-            spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
-                    "threads": ws.threads, "engine": ws.engine, "to_worker": f"ipc://{self._dir}/in{i}",
-                    "from_worker": inbox,
-                    # one worker needs no profile: there is nothing to choose between
-                    "measure_profile": self.measure_profiles and len(self.specs) > 1 and ws.spec not in self.profiles}
-            w = WorkerHandle(ws.name, ws)
-            if ws.ray:
-                # A remote node resolves the model from its own cache (a registry name is pulled
-                # and verified there); a path must exist on that node.
-                spec["model"] = self.model_arg if self.model_arg in registry.MODELS else self.model_path
-                w.link = RayLink(self._ctx, spec, inbox, ray_options(ws.ray, self.ray_restarts))
-                await w.link.locate()
-            else:
-                w.link = LocalLink(self._ctx, spec)
-            self.workers.append(w)
-            self._named[w.name] = w
+        await self.pool.start(self._ctx, inbox)
         self._tasks.append(asyncio.create_task(self._output_loop()))
-        deadline = time.monotonic() + self.startup_timeout
-        while not all(w.ready for w in self.workers):
-            for w in self.workers:
-                if w.link.exit_reason() is not None:
-                    raise RuntimeError(f"worker {w.name} stopped while loading ({w.link.exit_reason()})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("workers did not load the model in time")
-            await asyncio.sleep(0.05)
+        await self.pool.wait_ready(self.startup_timeout)
         self.router = Router(self.route_policy, [self._view(w) for w in self.workers])
         self._tasks.append(asyncio.create_task(self._monitor()))
 
@@ -251,16 +210,7 @@ class Frontend:
             t.cancel()
         for rid in list(self.streams):
             self._fail(rid, "the server is shutting down")
-        for w in self.workers:
-            if w.alive:
-                await w.link.send(ipc.encode(ipc.Shutdown()))
-        deadline = asyncio.get_running_loop().time() + timeout
-        for w in self.workers:
-            if w.alive:
-                await w.link.wait_exit(deadline)
-            else:  # loading or dead: nothing to finish
-                w.link.kill()
-            w.alive = False
+        await self.pool.stop(timeout)
         for t in self._tasks:
             t.cancel()
         if self._route_log:
@@ -440,7 +390,7 @@ class Frontend:
                 msg = ipc.decode(raw, ipc.TO_FRONTEND)
                 w = self._named.get(msg.worker)
                 if w is not None and w.dead and w.link.restarted():
-                    self._rejoining(w)
+                    self.pool.rejoining(w)
                 if w is None or w.dead:
                     raise ipc.IPCError(f"{type(msg).__name__} from {'unknown' if w is None else 'dead'} "
                                        f"worker {msg.worker!r}")
@@ -563,24 +513,12 @@ class Frontend:
             "bytes": nbytes, "transfer_s": round(seconds, 6), "import_s": round(msg.import_s, 6)})
 
     async def _monitor(self) -> None:
-        """A worker that exits, or goes silent for worker_timeout seconds (stopped, hung): its
-        requests end promptly with an error, it leaves the routing, /health and /metrics say so."""
+        """A worker that exits or goes silent: its requests end promptly with an error, it leaves
+        the routing, /health and /metrics say so."""
         while True:
-            now = time.monotonic()
-            for w in self.workers:
-                if not w.alive:
-                    continue
-                if w.link.exit_reason() is not None:
-                    self._worker_died(w, f"worker {w.name} died ({w.link.exit_reason()})")
-                elif now - w.last_seen > self.worker_timeout:
-                    self._worker_died(w, f"worker {w.name} stopped responding (no heartbeat for "
-                                         f"{now - w.last_seen:.0f} s)")
-                    w.link.kill()  # a stopped process that resumed would speak for requests it no longer has
+            for w, reason in self.pool.lost():
+                self._worker_died(w, reason)
             await asyncio.sleep(0.1)
-
-    def _rejoining(self, w: WorkerHandle) -> None:
-        """A restarted Ray actor speaks again: take its new Ready (it loads the model anew)."""
-        w.dead, w.ready, w.state, w.last_seen = None, None, None, time.monotonic()
 
     def _worker_died(self, w: WorkerHandle, reason: str) -> None:
         w.alive, w.dead = False, reason
@@ -593,13 +531,4 @@ class Frontend:
     def health(self) -> dict:
         """/health's body: the server's state and each worker's."""
         status = "draining" if self.draining else "ok" if self.healthy else "unavailable"
-        workers = []
-        for w in self.workers:
-            s = w.state if w.alive else None
-            workers.append({"name": w.name, "device": w.spec.spec, "node": w.link.node if w.link else None,
-                            "pid": w.ready.pid if w.ready else None, "state": w.status,
-                            **({"reason": w.dead} if w.dead else {}),
-                            "running": s.running if s else 0, "waiting": s.waiting if s else 0,
-                            "kv_pages_used": s.pages_used if s else 0,
-                            "kv_pages_total": w.ready.num_pages if w.ready else 0})
-        return {"status": status, "workers": workers}
+        return {"status": status, "workers": self.pool.health()}

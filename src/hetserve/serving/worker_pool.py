@@ -1,0 +1,124 @@
+"""The frontend's workers: each one started (a local child process or a Ray actor, through
+serving/links.py), waited for until it says Ready, watched for exits and silence, and stopped.
+What a worker's death means for its requests and the routing is the frontend's to decide; this
+only tells it which worker is gone and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from ..models import registry
+from . import ipc
+from .devices import WorkerSpec
+from .links import LocalLink, RayLink, connect_ray, ray_options
+
+
+@dataclass
+class WorkerHandle:
+    name: str
+    spec: WorkerSpec
+    link: LocalLink | RayLink | None = None  # how frames reach it (serving/links.py)
+    ready: ipc.Ready | None = None
+    state: ipc.WorkerState | None = None
+    alive: bool = False
+    requests: set[str] = field(default_factory=set)
+    last_seen: float = 0.0  # monotonic time of its last message (heartbeats included)
+    dead: str | None = None  # why it left the routing
+
+    @property
+    def status(self) -> str:
+        return "dead" if self.dead else "up" if self.alive else "loading"
+
+
+class WorkerPool:
+    def __init__(self, specs: list[WorkerSpec], model_path: str, model_arg: str, socket_dir: str,
+                 needs_profile: set[str], ray_address: str | None, ray_restarts: int, worker_timeout: float):
+        """needs_profile: the --inference-device values whose workers measure a routing profile at
+        start-up; ray_restarts: times Ray restarts a dead worker actor, which then rejoins."""
+        self.specs, self.model_path, self.model_arg, self._dir = specs, model_path, model_arg, socket_dir
+        self.needs_profile = needs_profile
+        self.ray_address, self.ray_restarts, self.worker_timeout = ray_address, ray_restarts, worker_timeout
+        self.workers: list[WorkerHandle] = []
+        self.named: dict[str, WorkerHandle] = {}  # the same workers by name (routing, every frame)
+
+    async def start(self, ctx: zmq.asyncio.Context, inbox: str) -> None:
+        """Start every worker; each sends its frames to `inbox`."""
+        if any(ws.ray for ws in self.specs):
+            connect_ray(self.ray_address)
+        for i, ws in enumerate(self.specs):
+            spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
+                    "threads": ws.threads, "engine": ws.engine, "to_worker": f"ipc://{self._dir}/in{i}",
+                    "from_worker": inbox, "measure_profile": ws.spec in self.needs_profile}
+            w = WorkerHandle(ws.name, ws)
+            if ws.ray:
+                # A remote node resolves the model from its own cache (a registry name is pulled
+                # and verified there); a path must exist on that node.
+                spec["model"] = self.model_arg if self.model_arg in registry.MODELS else self.model_path
+                w.link = RayLink(ctx, spec, inbox, ray_options(ws.ray, self.ray_restarts))
+                await w.link.locate()
+            else:
+                w.link = LocalLink(ctx, spec)
+            self.workers.append(w)
+            self.named[w.name] = w
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until every worker has said Ready (the frontend's output loop records it)."""
+        deadline = time.monotonic() + timeout
+        while not all(w.ready for w in self.workers):
+            for w in self.workers:
+                if w.link.exit_reason() is not None:
+                    raise RuntimeError(f"worker {w.name} stopped while loading ({w.link.exit_reason()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not load the model in time")
+            await asyncio.sleep(0.05)
+
+    def lost(self) -> list[tuple[WorkerHandle, str]]:
+        """Live workers that exited or went silent for worker_timeout seconds (stopped, hung), with
+        why; a silent one is killed, since a stopped process that resumed would speak for
+        requests it no longer has."""
+        now, gone = time.monotonic(), []
+        for w in self.workers:
+            if not w.alive:
+                continue
+            if w.link.exit_reason() is not None:
+                gone.append((w, f"worker {w.name} died ({w.link.exit_reason()})"))
+            elif now - w.last_seen > self.worker_timeout:
+                gone.append((w, f"worker {w.name} stopped responding (no heartbeat for {now - w.last_seen:.0f} s)"))
+                w.link.kill()
+        return gone
+
+    @staticmethod
+    def rejoining(w: WorkerHandle) -> None:
+        """A restarted Ray actor speaks again: take its new Ready (it loads the model anew)."""
+        w.dead, w.ready, w.state, w.last_seen = None, None, None, time.monotonic()
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the live workers to shut down, wait for them until `timeout` (then kill them)."""
+        for w in self.workers:
+            if w.alive:
+                await w.link.send(ipc.encode(ipc.Shutdown()))
+        deadline = asyncio.get_running_loop().time() + timeout
+        for w in self.workers:
+            if w.alive:
+                await w.link.wait_exit(deadline)
+            else:  # loading or dead: nothing to finish
+                w.link.kill()
+            w.alive = False
+
+    def health(self) -> list[dict]:
+        """Each worker's entry of /health."""
+        rows = []
+        for w in self.workers:
+            s = w.state if w.alive else None
+            rows.append({"name": w.name, "device": w.spec.spec, "node": w.link.node if w.link else None,
+                         "pid": w.ready.pid if w.ready else None, "state": w.status,
+                         **({"reason": w.dead} if w.dead else {}),
+                         "running": s.running if s else 0, "waiting": s.waiting if s else 0,
+                         "kv_pages_used": s.pages_used if s else 0,
+                         "kv_pages_total": w.ready.num_pages if w.ready else 0})
+        return rows
