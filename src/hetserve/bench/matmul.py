@@ -21,7 +21,6 @@ import json
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .limits import median_time
 
@@ -30,16 +29,11 @@ STEP = "step"  # every linear of the model
 
 def _paths(lin, passes: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The ways the engine can run this linear, by name (what Linear.__call__ chooses between)."""
-    paths = {}
+    paths = {"gemm": lin.gemm}
     if lin.qweight is not None:
         paths["kernel"] = lambda x: lin.qweight.matmul(x, lin.bias, passes)
-    if lin.weight.dtype == torch.float32:
-        paths["gemm"] = lambda x: F.linear(x, lin.weight, lin.bias)
-        if lin.qweight is None:
-            paths["gemv"] = lambda x: torch.cat([F.linear(x[i:i + 1], lin.weight, lin.bias) for i in range(len(x))])
-    else:  # a bf16 GEMM copy (Linear.use_gemm_dtype): bf16 in, fp32 accumulation and out
-        paths["gemm"] = lambda x: F.linear(x.to(lin.weight.dtype), lin.weight).float() + (
-            0 if lin.bias is None else lin.bias)
+    elif not lin.lowp:
+        paths["gemv"] = lin.per_row
     return paths
 
 
@@ -93,8 +87,7 @@ def main(args) -> int:
     llm = LLM(model=args.model, **engine_kwargs(args))
     model, cfg = llm.model, llm.config
     rows_list = sorted({int(m) for m in args.rows.split(",")})
-    passes = 2 if cfg.activation_rounding == "int8x2" else 1
-    results = measure(model, rows_list, args.repeats, passes)
+    results = measure(model, rows_list, args.repeats, model.policy.activation_passes)
     gemm_dtype = "bf16" if cfg.prefill_format == "bf16" else "fp32"
     crossover = {name: kernel_wins_up_to(rows) for name, rows in results.items()}
     print(f"{args.model}: one step's linears by kernel format, weights {cfg.weight_format}, GEMM {gemm_dtype}, "

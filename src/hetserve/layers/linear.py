@@ -85,14 +85,23 @@ class Linear:
         if p.deterministic:
             with trace.span("matmul", op=self.name, impl="fixed-order", rows=m):
                 return fixed_order_linear(x, self.weight, self.bias)
-        if self.lowp:  # bf16 GEMM weights (use_gemm_dtype): fp32 (or bf16) in, fp32 out
+        if not self.lowp and 1 < m <= p.gemv_max_rows:
+            return self.per_row(x)
+        return self.gemm(x)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM of steps past the quantized kernels: on the bf16 copy (use_gemm_dtype), fp32
+        (or bf16) in and fp32 out, else fp32."""
+        if self.lowp:
             y = self._gemm_lowp(x).float()
             return y if self.bias is None else y.add_(self.bias)
-        if 1 < m <= p.gemv_max_rows:
-            with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=m):
-                return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(m)])
-        with trace.span("matmul", op=self.name, impl="gemv" if m == 1 else "gemm", rows=m):
+        with trace.span("matmul", op=self.name, impl="gemv" if x.shape[0] == 1 else "gemm", rows=x.shape[0]):
             return F.linear(x, self.weight, self.bias)
+
+    def per_row(self, x: torch.Tensor) -> torch.Tensor:
+        """One matrix-vector product per row on the fp32 weight (--gemv-max-rows)."""
+        with trace.span("matmul", op=self.name, impl="gemv-per-row", rows=x.shape[0]):
+            return torch.cat([F.linear(x[i:i + 1], self.weight, self.bias) for i in range(x.shape[0])])
 
     def runs_lowp(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs this linear's bf16 GEMM (a prefill-sized step)."""
