@@ -35,6 +35,8 @@ _ENGINE_HELP = {
     "quant_max_rows": "steps of up to this many rows use the int8/int4 weights; larger ones GEMM",
     "activation_rounding": "activations in the quantized kernels: int8 (per group of 32, as llama.cpp) or int8x2 "
                            "(a second int8 pass over what the first left: fp32's perplexity, slower decode)",
+    "huge_pages": "CPU weights on 2 MiB transparent huge pages where Linux offers them (fewer TLB misses as "
+                  "decode streams them); --no-huge-pages keeps 4 KiB pages",
     "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
                       "with AMX-BF16 or AVX512-BF16 when the weights are quantized, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
@@ -221,6 +223,7 @@ def cmd_info(args) -> int:
     import torch
 
     from .layers import native
+    from .layers.huge_pages import thp_mode
     from .layers.prefill_formats import resolve_prefill_format
     from .layers.weight_formats import resolve_weight_format
 
@@ -236,6 +239,7 @@ def cmd_info(args) -> int:
         "native_variants_supported": native.supported_variants(),
         "weight_format": weights,
         "prefill_format": prefill,
+        "transparent_huge_pages": thp_mode(),
         "cuda": torch.cuda.is_available(),
     }
     if args.json:

@@ -40,6 +40,7 @@ class EngineConfig:
     weight_format: str = "auto"  # fp32 | int8 | int4 | gguf | auto (gguf on CPUs with AVX2, else fp32)
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
+    huge_pages: bool = True  # CPU weights on transparent huge pages where the kernel offers them (Linux THP)
     prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)

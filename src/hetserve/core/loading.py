@@ -13,6 +13,7 @@ import torch
 from .. import trace
 from ..layers import native
 from ..layers.dtypes import resolve_dtype
+from ..layers.huge_pages import HugePageArena, thp_mode
 from ..layers.prefill_formats import resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
@@ -77,12 +78,17 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
             ids = draft_vocab_ids(draft_types, config.speculative_draft_vocab)
             if len(ids) < len(draft_types):
                 draft.restrict_logits(ids)
+    arena = HugePageArena.if_supported() if config.huge_pages and torch.device(device).type == "cpu" else None
     for model, fmt in ((decoder, config.weight_format), (draft, config.speculative_weight_format)):
         if model is not None:
             model.quantize_weights(fmt)
             model.use_fused_ops()
             if config.prefill_format == "bf16":
                 model.use_gemm_dtype(torch.bfloat16)
+            if arena is not None:
+                model.place_weights(arena.place)
+    if arena is not None:
+        log.info("weights on huge pages: %.0f MiB advised (THP %s)", arena.advised / 2**20, thp_mode())
     if config.trace_directory:
         trace.start(config.trace_directory, name or device.replace(":", ""), device)
     # Identifies the weights in prefix-cache hashes, the same in every process that loads this file.

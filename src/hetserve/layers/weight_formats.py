@@ -19,7 +19,8 @@ blocks as they are (Q4_0/Q4_K: int4; Q5_0: q5_0; Q6_K: q6_k; Q8_0: int8), int8 f
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -121,6 +122,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
+    def moved(self, place: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The same weight with each tensor replaced by place(tensor) (a copy elsewhere in memory)."""
+        return replace(self, q=place(self.q), scale=place(self.scale),
+                       min=None if self.min is None else place(self.min))
+
 
 @dataclass
 class StackedWeight:
@@ -138,6 +144,9 @@ class StackedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
+
+    def moved(self, place: Callable[[torch.Tensor], torch.Tensor]) -> StackedWeight:
+        return StackedWeight([p.moved(place) for p in self.parts])
 
     @property
     def nbytes(self) -> int:
