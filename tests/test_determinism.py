@@ -99,13 +99,13 @@ def test_kernel_variants_give_the_same_bits(variant):
                     assert torch.equal(getattr(ours, linear)(x, *q, b, passes), getattr(portable, linear)(x, *q, b, passes))
     from test_weight_formats import file_format
 
-    for fmt, k in [("q4_k", 4864), ("q4_k", 512), ("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
+    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
         qw = file_format(fmt, 67, k, seed=k)[0]
         b = torch.randn(67)
         for m in (1, 2, 3, 4, 5, 17):
             x = torch.randn(m, k)
             for passes in (1, 2):
-                args = (x, qw.q, qw.scale) + ((qw.min,) if fmt == "q4_k" else ()) + (b, passes)
+                args = (x, qw.q, qw.scale, b, passes)
                 assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
 
 

@@ -5,8 +5,6 @@ int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q
       GGUF Q8_0/Q5_0/Q4_0 blocks are taken as they are, see `int8_from_integers`).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
       two values per byte.
-q4_k: Q4_K as the file holds it (w = q * sc * d - m * dmin, q in 0..15, a 6-bit scale sc and min m
-      per 32 weights, fp16 d and dmin per 256), at 4.625 bits a weight (the file's 4.5; int4 takes 5).
 q5_0: Q5_0 as the file holds it (w = (q - 16) * scale, q in 0..31), at its 5.5 bits a weight.
 q6_k: Q6_K as the file holds it (w = (q - 32) * sub * d, q in 0..63, an int8 sub-scale per 16
       weights and an fp16 d per 256), at its 6.5625 bits a weight.
@@ -15,7 +13,7 @@ All store each row in blocks of 4 groups whose elements are interleaved for the 
 All run in the package's extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 `gguf` is not a stored format but a choice per tensor: the kernel format that holds the file's
-blocks as they are (Q4_0: int4; Q4_K: q4_k; Q5_0: q5_0; Q6_K: q6_k; Q8_0: int8), int8 for the rest.
+blocks as they are (Q4_0/Q4_K: int4; Q5_0: q5_0; Q6_K: q6_k; Q8_0: int8), int8 for the rest.
 """
 
 from __future__ import annotations
@@ -77,24 +75,20 @@ class QuantizedWeight:
             return kernels().int8_linear(x, self.q, self.scale, bias, passes)
         if self.fmt == "int4":
             return kernels().int4_linear(x, self.q, self.scale, self.min, bias, passes)
-        if self.fmt == "q4_k":
-            return kernels().q4_k_linear(x, self.q, self.scale, self.min, bias, passes)
         if self.fmt == "q5_0":
             return kernels().q5_0_linear(x, self.q, self.scale, bias, passes)
         return kernels().q6_k_linear(x, self.q, self.scale, bias, passes)
 
     @property
     def groups(self) -> int:
-        return self.scale.shape[1] * (8 if self.fmt in _PER_256 else 1)
+        return self.scale.shape[1] * (8 if self.fmt == "q6_k" else 1)
 
     def group_values(self) -> torch.Tensor:
         """The integer weights as [n, groups, 32] in element order, such that w = value * group
-        scale (+ group min for int4, q4_k): q5_0's q - 16, q6_k's (q - 32) * sub."""
+        scale (+ min for int4): q5_0's q - 16, q6_k's (q - 32) * sub."""
         n, groups = self.q.shape[0], self.groups
         blocks = -(-groups // 4)
-        # q4_k keeps each 8 groups' scale bytes after their two blocks' nibbles
-        b = self.q.view(n, blocks // 2, 144)[:, :, :128] if self.fmt == "q4_k" else self.q
-        b = b.reshape(n, blocks, -1)
+        b = self.q.view(n, blocks, -1)
         if self.fmt == "int8":
             values = self.q
         else:  # bytes 32h .. 32h + 31 of a block: vector 2h low, 2h + 1 high nibbles
@@ -114,29 +108,14 @@ class QuantizedWeight:
         return values[:, _element_positions(groups, self.q.device)].view(n, groups, GROUP)
 
     def group_scales(self) -> torch.Tensor:
-        """The scale of each group, [n, groups]: fp16 as stored (q6_k stores one per 8 groups), q4_k's
-        d * sc in fp32 (exact there)."""
-        if self.fmt == "q4_k":
-            return self.scale.float().repeat_interleave(8, dim=1) * self._k_bytes(0)
+        """The fp16 scale of each group, [n, groups] (q6_k stores one per 8 groups)."""
         return self.scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else self.scale
-
-    def group_mins(self) -> torch.Tensor | None:
-        """The offset each group's weights carry, [n, groups] (int4's fp16 min, q4_k's -dmin * m), or None."""
-        if self.fmt == "q4_k":
-            return -(self.min.float().repeat_interleave(8, dim=1) * self._k_bytes(8))
-        return self.min if self.fmt == "int4" else None
-
-    def _k_bytes(self, at: int) -> torch.Tensor:
-        """q4_k's per-group bytes (at 0: the scales sc; at 8: the mins m) as float [n, groups]."""
-        n = self.q.shape[0]
-        return self.q.view(n, -1, 144)[:, :, 128 + at:136 + at].reshape(n, -1).float()
 
     def dequantize(self) -> torch.Tensor:
         n = self.q.shape[0]
         w = self.group_values().float() * self.group_scales().float()[..., None]
-        mins = self.group_mins()
-        if mins is not None:
-            w = w + mins.float()[..., None]
+        if self.fmt == "int4":
+            w = w + self.min.float()[..., None]
         return w.view(n, -1)
 
     @property
@@ -184,9 +163,6 @@ def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
                                         for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
 
 
-_PER_256 = ("q4_k", "q6_k")  # formats with one (fp16) scale tensor entry per 8 groups
-
-
 def _element_positions(groups: int, device: torch.device) -> torch.Tensor:
     """Where element e of group g sits in an interleaved row (csrc/qlinear.cpp `interleaved`):
     in block g // 4, lane g % 4 + 4 * (e // 4 % 2) of vector e // 8, byte e % 4 of the lane."""
@@ -231,22 +207,6 @@ def _nibble_bytes(values: torch.Tensor) -> torch.Tensor:
     """[N, blocks, 4, 32] -> [N, blocks, 64]: vectors 2h and 2h + 1 share bytes 32h .. 32h + 31."""
     v = values & 0x0F
     return (v[:, :, 0::2] | (v[:, :, 1::2] << 4)).flatten(2)
-
-
-def q4_k_from_integers(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-                       dmin: torch.Tensor) -> QuantizedWeight:
-    """The q4_k format from a GGUF's Q4_K blocks: q uint8 [N, K] (0..15) in element order, the 6-bit
-    scales and mins uint8 [N, K / 32] and d, dmin fp16 [N, K / 256] (w = q * sc * d - m * dmin)."""
-    n, k = q.shape
-    if k % 256 or q.dtype != torch.uint8 or sc.shape != (n, k // GROUP) or m.shape != sc.shape or \
-            sc.dtype != torch.uint8 or m.dtype != torch.uint8 or d.shape != (n, k // 256) or \
-            dmin.shape != d.shape or d.dtype != torch.float16 or dmin.dtype != torch.float16:
-        raise ValueError("q4_k integers must be uint8 [N, K], K a multiple of 256, with uint8 scales and mins "
-                         "[N, K/32] and fp16 d and dmin [N, K/256]")
-    supers = k // 256  # per 8 groups: the two blocks' nibble bytes, then the 8 scales, then the 8 mins
-    nibbles = _nibble_bytes(_interleave(q)).view(n, supers, 128)
-    packed = torch.cat([nibbles, sc.view(n, supers, 8), m.view(n, supers, 8)], dim=2)
-    return QuantizedWeight("q4_k", packed.view(n, -1).contiguous(), d.contiguous(), dmin.contiguous())
 
 
 def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:

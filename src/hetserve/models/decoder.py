@@ -28,7 +28,6 @@ from ..layers.weight_formats import (
     StackedWeight,
     int4_from_integers,
     int8_from_integers,
-    q4_k_from_integers,
     q5_0_from_integers,
     q6_k_from_integers,
     quantize,
@@ -36,14 +35,7 @@ from ..layers.weight_formats import (
 )
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
-from .gguf_quants import (
-    INTEGER_BLOCK_TYPES,
-    NIBBLE_BLOCK_TYPES,
-    integer_blocks,
-    nibble_blocks,
-    q4_k_blocks,
-    q6_k_blocks,
-)
+from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks, q6_k_blocks
 
 
 @dataclass
@@ -67,8 +59,8 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _exact_format(fmt: str, qtype: T) -> str | None:
     """The kernel format that holds a tensor of `qtype` as the file stores it, under --weight-format
-    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_K with fp16 scales; gguf: each type's own), or None."""
-    if fmt == "gguf" and qtype in (T.Q4_K, T.Q5_0, T.Q6_K):
+    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_K with fp16 scales; gguf: the closest of all), or None."""
+    if fmt == "gguf" and qtype in (T.Q5_0, T.Q6_K):
         return qtype.name.lower()
     if fmt in ("int4", "gguf") and qtype in NIBBLE_BLOCK_TYPES:
         return "int4"
@@ -82,7 +74,6 @@ _FROM_BLOCKS = {
     "int8": (integer_blocks, int8_from_integers),
     "int4": (nibble_blocks, int4_from_integers),
     "q5_0": (integer_blocks, lambda q, d: q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)),
-    "q4_k": (q4_k_blocks, q4_k_from_integers),
     "q6_k": (q6_k_blocks, q6_k_from_integers),
 }
 

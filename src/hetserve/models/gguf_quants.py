@@ -263,18 +263,6 @@ def nibble_blocks(raw: torch.Tensor, qtype: T,
     return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
 
 
-def q4_k_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """A Q4_K matrix [rows, K] as the file holds it: q (uint8 0..15 [rows, K]), the 6-bit scales
-    and mins (uint8 [rows, K / 32]) and d, dmin (fp16 [rows, K / 256]): w = q * sc * d - m * dmin."""
-    if T(qtype) != T.Q4_K:
-        raise ValueError(f"{T(qtype).name} blocks are not Q4_K")
-    rows, k, b = _matrix_blocks(raw, T.Q4_K, shape)
-    sc, m = _k_scales(b[:, 4:16])
-    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16).reshape(rows, k // 256) for i in (0, 2))
-    return (_nibbles(b[:, 16:144], 32).reshape(rows, k), sc.to(torch.uint8).reshape(rows, k // 32),
-            m.to(torch.uint8).reshape(rows, k // 32), d, dmin)
-
-
 def q6_k_blocks(raw: torch.Tensor, qtype: T,
                 shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q6_K matrix [rows, K] as q (uint8 0..63 [rows, K]), its sub-scales (int8 [rows, K / 16])

@@ -4,7 +4,6 @@
 // 32 input elements (G = K / 32 groups per row), with one fp16 scale (int4: and min) per group:
 //   int8: q int8 in -127..127                  w = q * scale
 //   int4: q in 0..15, two per byte             w = q * scale + min
-//   q4_k: q in 0..15 (GGUF Q4_K as it is)      w = q * sc * d - m * dmin (6-bit sc, m per 32; d, dmin per 256)
 //   q5_0: q in 0..31 (GGUF Q5_0 as it is)      w = (q - 16) * scale
 //   q6_k: q in 0..63 (GGUF Q6_K as it is)      w = (q - 32) * sub[16 elements] * d[256 elements]
 // Rows are stored in blocks of 4 groups (128 elements; the last block zero-padded), interleaved
@@ -22,10 +21,9 @@
 // activation scales. The int4 min term is sum_g min[g] * d[g] * sum(xq over group g), 8 groups per FMA.
 // Each output is summed in the same order whatever M is, so results are batch-invariant.
 // fp16 scales (as in ggml's Q8_0/Q4_1) keep the int4 format at 5 bits per weight, not 6.
-// q4_k, q5_0 and q6_k hold a GGUF's Q4_K, Q5_0 and Q6_K blocks repacked into this layout, at
-// about the file's own size (4.625, 5.5 and 6.5625 bits per weight): the kernel streams little
-// more than the file holds and computes on the file's integers and scales, adding no weight
-// error (see Int4KWeights, Int5Weights, Int6KWeights).
+// q5_0 and q6_k hold a GGUF's Q5_0 and Q6_K blocks repacked into this layout, at the file's own
+// size (5.5 and 6.5625 bits per weight): the kernel streams no more bytes than the file holds and
+// computes on the file's integers, adding no weight error (see Int5Weights, Int6KWeights).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -234,47 +232,6 @@ struct Int4Weights {
   template <int R>
   __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
     const uint8_t* w = q + n * row_bytes + b * (kBlockElems / 2);
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256i lo[2], hi[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
-      lo[h] = _mm256_and_si256(bytes, lo4);
-      hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), lo4);
-    }
-    unsigned_block<R>(lo, hi, x, acc);
-  }
-};
-
-// Q4_K: per 8 groups (256 weights, one Q4_K super-block), int4's nibble bytes of the two blocks
-// (64 each), then the 8 groups' 6-bit scales sc and their 8 mins m, a byte each: 144 bytes, with
-// Q4_K's fp16 d and dmin per 256 in their own arrays 4.625 bits a weight (the file's 4.5; int4's
-// fp16 scale and min per group take 5). One 16-byte load gives a super's scales and mins.
-// w = q * (d * sc) - dmin * m: d * sc and dmin * m (11 by 6 significant bits) are exact in fp32,
-// so the kernel multiplies by the file's own scales, where int4 rounds them to fp16.
-struct Int4KWeights {
-  static constexpr bool kHasMin = true, kHalfSums = false;
-  static constexpr int64_t kBlockBytes = kBlockElems / 2 + 8;  // per block of 4 groups, on average
-  static constexpr int kSuperBytes = 2 * kBlockBytes;
-  const uint8_t* q; const at::Half* d; const at::Half* dmin; int64_t K, G, row_bytes;
-  const char* bytes(int64_t n, int64_t g0) const {
-    return reinterpret_cast<const char*>(q + n * row_bytes) + g0 / kSuper * kSuperBytes;
-  }
-  // The super's 8 scales (low 8 bytes) and 8 mins (high 8 bytes).
-  __m128i scale_bytes(int64_t n, int64_t g0) const {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(n, g0) + kBlockElems));
-  }
-  __m256 scales(int64_t n, int64_t g0, int64_t) const {
-    const float dd = _cvtsh_ss(reinterpret_cast<const uint16_t*>(d)[(n * G + g0) / kSuper]);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scale_bytes(n, g0))), _mm256_set1_ps(dd));
-  }
-  __m256 mins(int64_t n, int64_t g0, int64_t, __m256) const {
-    const float dm = _cvtsh_ss(reinterpret_cast<const uint16_t*>(dmin)[(n * G + g0) / kSuper]);
-    const __m128i m = _mm_unpackhi_epi64(scale_bytes(n, g0), scale_bytes(n, g0));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)), _mm256_set1_ps(-dm));
-  }
-  template <int R>
-  __attribute__((always_inline)) inline void block(int64_t n, int64_t b, const int8_t* const (&x)[R], __m256i (&acc)[R]) const {
-    const uint8_t* w = q + n * row_bytes + b / 2 * kSuperBytes + b % 2 * (kBlockElems / 2);
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     __m256i lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
@@ -532,20 +489,6 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
              x, N, bias, passes);
 }
 
-torch::Tensor q4_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor dmin,
-                          c10::optional<torch::Tensor> bias, int64_t passes) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
-              "q must be contiguous uint8 [N, K/128 * 72]");
-  check(x, q, Int4KWeights::kBlockBytes, d, kSuper);  // d, dmin: one scale per 8 groups, [N, K/256]
-  TORCH_CHECK(dmin.scalar_type() == torch::kHalf && dmin.is_contiguous() && dmin.numel() == d.numel(),
-              "dmin must be contiguous fp16 [N, K/256]");
-  const int64_t N = q.size(0), K = x.size(1);
-  check_bias(bias, N);
-  return run(Int4KWeights{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), K, K / kGroup,
-                          q.size(1)},
-             x, N, bias, passes);
-}
-
 torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                           int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte && q.is_contiguous(),
@@ -648,8 +591,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, ceil(K/128) * 64], scale, min fp16 [N, K/32])");
   m.def("int4_linear", &int4_linear, "x . int4 group-wise asymmetric weights (int8 activations per group of 32)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("min"), py::arg("bias"), py::arg("passes") = 1);
-  m.def("q4_k_linear", &q4_k_linear, "x . GGUF Q4_K weights repacked (int8 activations per group of 32)",
-        py::arg("x"), py::arg("q"), py::arg("d"), py::arg("dmin"), py::arg("bias"), py::arg("passes") = 1);
   m.def("q5_0_linear", &q5_0_linear, "x . GGUF Q5_0 weights repacked (int8 activations per group of 32)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias"), py::arg("passes") = 1);
   m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights repacked (int8 activations per group of 32)",
