@@ -89,10 +89,22 @@ class HugePageArena:
         return out
 
 
-def huge_page_bytes() -> int:
-    """This process's anonymous memory on huge pages (AnonHugePages), 0 where it cannot be read."""
+def huge_page_bytes(t: torch.Tensor | None = None) -> int:
+    """Anonymous memory on huge pages (AnonHugePages): this process's, or that of the mapping
+    holding tensor t; 0 where it cannot be read."""
     try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if t is None:
+            lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+        else:
+            lines, inside, addr = [], False, t.data_ptr()
+            for line in Path("/proc/self/smaps").read_text().splitlines():
+                first = line.split(" ", 1)[0]
+                if "-" in first and not first.endswith(":"):  # a mapping's header: start-end perms ...
+                    lo, hi = (int(a, 16) for a in first.split("-"))
+                    inside = lo <= addr < hi
+                elif inside:
+                    lines.append(line)
+        for line in lines:
             if line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) << 10
     except OSError:
