@@ -74,39 +74,34 @@ class HugePageArena:
         self._buffers.append(buf)
         self._free = (buf, start, start + size)
 
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of CPU tensor t in the arena (t itself where it is not on the CPU)."""
-        if t.device.type != "cpu":
-            return t
-        nbytes = t.numel() * t.element_size()
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized contiguous tensor in the arena."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         buf, off, end = self._free
         if buf is None or off + nbytes > end:
             self._new_chunk(nbytes)
             buf, off, end = self._free
         self._free = (buf, -(-(off + nbytes) // _ALIGN) * _ALIGN, end)
-        out = buf[off:off + nbytes].view(t.dtype).view(t.shape)
-        out.copy_(t)
-        return out
+        return buf[off:off + nbytes].view(dtype).view(shape)
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of CPU tensor t in the arena."""
+        return self.empty(t.shape, t.dtype).copy_(t)
 
 
-def huge_page_bytes(t: torch.Tensor | None = None) -> int:
-    """Anonymous memory on huge pages (AnonHugePages): this process's, or that of the mapping
-    holding tensor t; 0 where it cannot be read."""
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """Anonymous memory on huge pages (AnonHugePages) in the mapping holding tensor t, 0 where
+    /proc/self/smaps cannot be read."""
+    inside, addr = False, t.data_ptr()
     try:
-        if t is None:
-            lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
-        else:
-            lines, inside, addr = [], False, t.data_ptr()
-            for line in Path("/proc/self/smaps").read_text().splitlines():
-                first = line.split(" ", 1)[0]
-                if "-" in first and not first.endswith(":"):  # a mapping's header: start-end perms ...
-                    lo, hi = (int(a, 16) for a in first.split("-"))
-                    inside = lo <= addr < hi
-                elif inside:
-                    lines.append(line)
-        for line in lines:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) << 10
+        lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
-        pass
+        return 0
+    for line in lines:
+        first = line.split(" ", 1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header: start-end perms ...
+            lo, hi = (int(a, 16) for a in first.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) << 10
     return 0

@@ -215,19 +215,14 @@ class DecoderModel:
             if lin is not self.lm_head and lin.qweight is not None:
                 lin.use_gemm_dtype(dtype)
 
-    def place_weights(self, place) -> int:
+    def place_weights(self, place) -> None:
         """Move the weights decode streams (each linear's quantized copy, else its weight where it
-        is not the tied embedding's) to place(tensor)'s copies (layers/huge_pages.py); returns the
-        bytes moved."""
-        moved = 0
+        is not the tied embedding's) to place(tensor)'s copies (layers/huge_pages.py)."""
         for lin in self.linears():
             if lin.qweight is not None:
                 lin.qweight = lin.qweight.moved(place)
-                moved += lin.qweight.nbytes
             elif lin.weight.untyped_storage().data_ptr() != self.embed.untyped_storage().data_ptr():
                 lin.weight = place(lin.weight)
-                moved += lin.weight.numel() * lin.weight.element_size()
-        return moved
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
