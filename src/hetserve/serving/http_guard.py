@@ -16,18 +16,11 @@ import h11
 from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
-def _error(status: int, message: str):
-    # Imported at call time: api_server imports this module.
-    from .api_server import error_response
-
-    return error_response(status, message)
+from .http_errors import RETRY_AFTER_S, error_body, error_response
 
 
 def _raw_error(status: int, message: str) -> bytes:
     """A whole HTTP/1.1 error response with `Connection: close`, for the protocol to write outside any request."""
-    from .api_server import RETRY_AFTER_S, error_body
-
     body = json.dumps(error_body(status, message)).encode()
     retry = f"retry-after: {RETRY_AFTER_S}\r\n" if status == 503 else ""
     return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
@@ -98,13 +91,14 @@ class RequestGuard:
         headers = scope["headers"]
         size = sum(len(k) + len(v) + 4 for k, v in headers)  # the head as sent, "name: value\r\n"
         if len(headers) > self.limits.max_headers or size > self.limits.max_header_bytes:
-            return await _error(431, f"request header fields too large (at most {self.limits.max_headers} fields, "
-                                     f"{self.limits.max_header_bytes} bytes)")(scope, receive, send)
+            return await error_response(431, f"request header fields too large (at most {self.limits.max_headers} "
+                                            f"fields, {self.limits.max_header_bytes} bytes)")(scope, receive, send)
         h = {k: v for k, v in headers if k in (b"origin", b"host")}
         origin = h.get(b"origin", b"").decode("latin-1").strip().lower()
         if origin and not self.any_origin and origin not in self.origins and \
                 origin != _origin(scope["scheme"], h.get(b"host", b"").decode("latin-1")):
-            return await _error(403, f"origin {origin!r} is not allowed (see --allowed-origins)")(scope, receive, send)
+            return await error_response(403, f"origin {origin!r} is not allowed (see --allowed-origins)")(
+                scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -128,9 +122,9 @@ class LimitsAndAuth:
         if self.api_key and not _public(scope["path"]):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await _error(401, "missing or invalid API key (Authorization: Bearer ...)")(
+                return await error_response(401, "missing or invalid API key (Authorization: Bearer ...)")(
                     scope, receive, send)
-        too_large = _error(413, f"request body over {self.max_body} bytes")
+        too_large = error_response(413, f"request body over {self.max_body} bytes")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await too_large(scope, receive, send)  # before reading any of it

@@ -23,8 +23,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
-from .api_server import APIError, sse_data, unless_gone
+from .api_server import sse_data
 from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
+from .http_errors import APIError, unless_gone
 from .protocol import MAX_MESSAGES, _Body
 
 _TEXT_PARTS = ("input_text", "output_text")
