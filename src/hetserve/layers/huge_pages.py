@@ -9,8 +9,8 @@ Where THP is off or absent (`never`, not Linux) nothing moves.
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import mmap
 from pathlib import Path
 
 import torch
@@ -18,7 +18,6 @@ import torch
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # linux/mman.h
 _ALIGN = 64  # a cache line: every placed tensor starts on one (the kernels' loads assume no more)
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -33,24 +32,14 @@ def thp_mode() -> str | None:
     return mode or None
 
 
-def _madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class HugePageArena:
-    """Bump allocation of tensors in chunks of at least `chunk` bytes, each chunk's 2 MiB-aligned
-    body advised MADV_HUGEPAGE while still untouched (torch.empty maps it without writing)."""
+    """Bump allocation of tensors in chunks of at least `chunk` bytes, each a fresh anonymous
+    mapping whose 2 MiB-aligned body is advised MADV_HUGEPAGE before any page of it is touched.
+    (Memory from the allocator may be a reused, already-faulted region, which the advice would
+    no longer back with huge pages.)"""
 
     def __init__(self, chunk: int = 64 << 20):
         self.chunk = chunk
-        self._madvise = _madvise()
         self._buffers: list[torch.Tensor] = []
         self._free = (None, 0, 0)  # (buffer, next offset, end)
         self.advised = 0  # bytes advised huge
@@ -58,19 +47,22 @@ class HugePageArena:
     @classmethod
     def if_supported(cls) -> HugePageArena | None:
         """An arena where THP can back it (mode always or madvise), else None."""
-        if thp_mode() not in ("always", "madvise"):
+        if thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
             return None
-        arena = cls()
-        return arena if arena._madvise is not None else None
+        return cls()
 
     def _new_chunk(self, nbytes: int) -> None:
         size = -(-max(nbytes, self.chunk) // HUGE_PAGE) * HUGE_PAGE
-        buf = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
-        start = -buf.data_ptr() % HUGE_PAGE
-        if self._madvise(buf.data_ptr() + start, size, MADV_HUGEPAGE) == 0:
+        # Private (a shared anonymous mapping is shmem, which THP backs only by its own setting);
+        # unmapped when the last tensor viewing it goes.
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = torch.frombuffer(region, dtype=torch.uint8)
+        start = -buf.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page, as madvise needs
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, size)
             self.advised += size
-        else:
-            log.debug("madvise(MADV_HUGEPAGE) failed (errno %d)", ctypes.get_errno())
+        except OSError as e:
+            log.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
         self._buffers.append(buf)
         self._free = (buf, start, start + size)
 
