@@ -100,6 +100,27 @@ def test_native_attention_matches_sdpa_over_scattered_pages(per_query):
                         torch.tensor([[0, 16]]), ps, 0.3)
 
 
+@pytest.mark.parametrize("heads,kvh,d", [(12, 2, 128), (16, 2, 24), (14, 2, 64), (9, 1, 16)])
+def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d):
+    """Contexts past the values' 32-token chunks (and their prefetches), for the query-head
+    counts and head sizes that take each of the values kernels (2 vectors of D at a time where
+    J <= 6 and D is a multiple of 16, else 1)."""
+    from hetserve.layers.attention import AttentionMetadata, attend_cached
+
+    torch.manual_seed(5)
+    ps, lens = 16, [1, 31, 32, 33, 100, 257]
+    tables = [list(range(40 * i, 40 * i + 17)) for i in range(len(lens))]
+    k_cache, v_cache = torch.randn(240 * ps, kvh, d), torch.randn(240 * ps, kvh, d)
+    q = torch.randn(len(lens), heads, d)
+
+    def meta():
+        return AttentionMetadata.build([1] * len(lens), lens, tables, ps, torch.device("cpu"))
+
+    ref = attend_cached(q, k_cache, v_cache, meta(), d ** -0.5)
+    torch.testing.assert_close(attend_cached(q, k_cache, v_cache, meta(), d ** -0.5, native=ops), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row():
     """Speculative verification scores K + 1 rows of one sequence in a step; each must equal what a
     plain decode of that row computes, or greedy speculation could drift from the target's tokens."""

@@ -192,11 +192,23 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// The decode attention's K and V rows come from DRAM (a step's weights have evicted them), a
+// token's row of a KV head at a time, 2 KiB apart in the cache ([slots, KVH, D]) and in pages
+// wherever the block table says: past what the hardware prefetchers follow. Asking for the
+// rows a few tokens ahead cut a 600-token context's attention by a third (cold caches).
+constexpr int64_t kRowsAhead = 8;     // tokens ahead in the scores' pass over K
+constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass over V
+
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(row + l), _MM_HINT_T0);
+}
+
 // Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
 // independent FMA chains sharing each key load (one chain per dot product was latency-bound).
 template <int J>
 void head_scores(const float* q, const float* const* k, int64_t n, int64_t D, float sc, float* p) {
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kRowsAhead < n) prefetch_row(k[t + kRowsAhead], D);
     __m256 acc[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
@@ -207,18 +219,34 @@ void head_scores(const float* q, const float* const* k, int64_t n, int64_t D, fl
   }
 }
 
-// out[j] = sum_t p[j * n + t] * v[t] for J heads, 8 lanes of D at a time with the J sums in
-// registers (accumulating in memory was bound by stores).
-template <int J>
+// out[j] = sum_t p[j * n + t] * v[t] for J heads: chunks of kValueChunk tokens (in L1 once
+// read), each swept EB vectors of D at a time with the J * EB sums in registers (accumulating in
+// memory was bound by stores) and kept in `out` between chunks. Each output lane is one FMA chain
+// over t = 0 .. n - 1 in order whatever the chunking, so the bits are those of a single sweep;
+// where one vector at a time swept all n rows, each V line was fetched twice and, past a few
+// hundred tokens, from DRAM again. EB = 2 (a cache line) fits AVX2's 16 registers up to J = 6
+// (and needs D a multiple of 16).
+template <int J, int EB>
 void head_values(const float* p, const float* const* v, int64_t n, int64_t D, float* out) {
-  for (int64_t e = 0; e < D; e += 8) {
-    __m256 acc[J];
-    for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 vv = _mm256_loadu_ps(v[t] + e);
-      for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * n + t]), vv, acc[j]);
+  std::fill(out, out + J * D, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
+    const int64_t t1 = std::min(n, t0 + kValueChunk);
+    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(n, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+    for (int64_t e = 0; e < D; e += 8 * EB) {
+      __m256 acc[J][EB];
+      for (int j = 0; j < J; ++j)
+        for (int b = 0; b < EB; ++b) acc[j][b] = _mm256_loadu_ps(out + j * D + e + 8 * b);
+      for (int64_t t = t0; t < t1; ++t) {
+        __m256 vv[EB];
+        for (int b = 0; b < EB; ++b) vv[b] = _mm256_loadu_ps(v[t] + e + 8 * b);
+        for (int j = 0; j < J; ++j) {
+          const __m256 pj = _mm256_set1_ps(p[j * n + t]);
+          for (int b = 0; b < EB; ++b) acc[j][b] = _mm256_fmadd_ps(pj, vv[b], acc[j][b]);
+        }
+      }
+      for (int j = 0; j < J; ++j)
+        for (int b = 0; b < EB; ++b) _mm256_storeu_ps(out + j * D + e + 8 * b, acc[j][b]);
     }
-    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out + j * D + e, acc[j]);
   }
 }
 
@@ -226,9 +254,12 @@ void head_values(const float* p, const float* const* v, int64_t n, int64_t D, fl
 constexpr void (*kHeadScores[8])(const float*, const float* const*, int64_t, int64_t, float, float*) = {
     head_scores<1>, head_scores<2>, head_scores<3>, head_scores<4>,
     head_scores<5>, head_scores<6>, head_scores<7>, head_scores<8>};
-constexpr void (*kHeadValues[8])(const float*, const float* const*, int64_t, int64_t, float*) = {
-    head_values<1>, head_values<2>, head_values<3>, head_values<4>,
-    head_values<5>, head_values<6>, head_values<7>, head_values<8>};
+// EB = 2 where it fits (J <= 6, D a multiple of 16), else 1.
+constexpr void (*kHeadValues[2][8])(const float*, const float* const*, int64_t, int64_t, float*) = {
+    {head_values<1, 1>, head_values<2, 1>, head_values<3, 1>, head_values<4, 1>,
+     head_values<5, 1>, head_values<6, 1>, head_values<7, 1>, head_values<8, 1>},
+    {head_values<1, 2>, head_values<2, 2>, head_values<3, 2>, head_values<4, 2>,
+     head_values<5, 2>, head_values<6, 2>, head_values<7, 1>, head_values<8, 1>}};
 
 // Attention of single query rows over their paged contexts, read in place from the caches
 // [slots, KVH, D] (slot = page * page_size + offset). Row r is q[rows[r]] and sees the first
@@ -291,7 +322,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         inv_sum[j] = 1.f / sum;
       }
       for (int64_t j0 = 0; j0 < g; j0 += 8)
-        kHeadValues[std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D, acc.data() + j0 * D);
+        kHeadValues[D % 16 == 0][std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D, acc.data() + j0 * D);
       for (int64_t j = 0; j < g; ++j) {
         float* o = op + rp[r] * H * D + (h * g + j) * D;
         const __m256 iv = _mm256_set1_ps(inv_sum[j]);
