@@ -37,6 +37,8 @@ _ENGINE_HELP = {
                            "(a second int8 pass over what the first left: fp32's perplexity, slower decode)",
     "huge_pages": "CPU weights on 2 MiB transparent huge pages where Linux offers them (fewer TLB misses as "
                   "decode streams them); --no-huge-pages keeps 4 KiB pages",
+    "native_layers": "CPU decode steps run the decoder's layers in one native call (the same kernels and bits); "
+                     "--no-native-layers dispatches each op from Python, with per-op trace spans",
     "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
                       "with AMX-BF16 or AVX512-BF16 when the weights are quantized, else fp32)",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",

@@ -41,6 +41,7 @@ class EngineConfig:
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
     huge_pages: bool = True  # CPU weights on transparent huge pages where the kernel offers them (Linux THP)
+    native_layers: bool = True  # CPU decode steps run every layer in one native call (else op by op from Python)
     prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)

@@ -82,7 +82,7 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     for model, fmt in ((decoder, config.weight_format), (draft, config.speculative_weight_format)):
         if model is not None:
             model.quantize_weights(fmt)
-            model.use_fused_ops()
+            model.use_fused_ops(layers=config.native_layers)
             if config.prefill_format == "bf16":
                 model.use_gemm_dtype(torch.bfloat16)
             if arena is not None:

@@ -33,6 +33,7 @@ from ..layers.weight_formats import (
     quantize,
     stack,
 )
+from . import native_layers
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
 from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks, q6_k_blocks
@@ -120,6 +121,8 @@ class DecoderModel:
         self.policy = lm_head.policy  # one MatmulPolicy object shared by every linear
         self.qkv_sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
         self.fused = None  # the native ops module when forward uses them (use_fused_ops)
+        self.native_layers = False  # decode steps' layers in one native call (use_fused_ops)
+        self._native_plan: object | None = None  # built on first use, dropped when weights change
         self.num_logits = lm_head.out_features  # logit row width (restrict_logits keeps it)
         self.logit_ids: torch.Tensor | None = None  # restrict_logits: the only ids scored
         self.path: str | None = None  # the GGUF file (from_gguf), whose blocks quantize_weights reuses
@@ -197,6 +200,7 @@ class DecoderModel:
         the format can (`_exact_format`; `gguf` picks the kernel format per tensor, so Q4_0/Q4_K,
         Q5_0, Q6_K and Q8_0 all run as stored), other types are quantized from fp32."""
         added = 0
+        self._native_plan = None
         if fmt == "fp32":
             return added
         with GGUFFile(self.path) if self.path and self.device.type == "cpu" else nullcontext() as gguf:
@@ -218,6 +222,7 @@ class DecoderModel:
     def place_weights(self, place) -> None:
         """Move the weights decode streams (each linear's quantized copy, else its weight where it
         is not the tied embedding's) to place(tensor)'s copies (layers/huge_pages.py)."""
+        self._native_plan = None
         for lin in self.linears():
             if lin.qweight is not None:
                 lin.qweight = lin.qweight.moved(place)
@@ -235,11 +240,14 @@ class DecoderModel:
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.dtype).bits // 8
 
-    def use_fused_ops(self, enable: bool = True) -> bool:
+    def use_fused_ops(self, enable: bool = True, layers: bool = True) -> bool:
         """Whether forward uses the native fused CPU ops (fp32 on a CPU with the extension): one
         call each for RMSNorm with its residual add, RoPE with the KV-cache write, SiLU-and-mul,
-        and the attention of short sequences (decodes, verifications) read in place from their pages."""
+        and the attention of short sequences (decodes, verifications) read in place from their pages.
+        layers: steps whose rows all attend alone run every layer in one call (models/native_layers.py)."""
         self.fused = None
+        self._native_plan = None
+        self.native_layers = layers
         if enable and self.device.type == "cpu" and self.dtype == torch.float32:
             try:
                 self.fused = native.kernels()
@@ -260,6 +268,12 @@ class DecoderModel:
             delta = None
             # A step whose GEMMs run bf16 (prefill-sized) runs its chunks' attention in bf16 too;
             # decode-sized steps keep every op fp32.
+            plan = self._native_layers_for(t, meta)
+            if plan is not None:
+                rows, lens, tables, _ = meta.one_query_rows()
+                with trace.span("layers", native=True):
+                    return plan.run(h, self.final_norm, cos, sin, kv_caches, meta.slot_mapping, rows, lens, tables,
+                                    meta.page_size, self.policy.activation_passes)
             chunk_dtype = torch.bfloat16 if self.layers and self.layers[0].qkv.runs_lowp(t) else None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 with trace.span("layer", index=i):
@@ -277,6 +291,17 @@ class DecoderModel:
                         raw = layer.gate_up.gemm_lowp(x) if self.fused is not None and layer.down.lowp else None
                         delta = layer.down(self._silu_mul(layer.gate_up(x) if raw is None else raw))
             return self._norm(h, self.final_norm, delta)
+
+    def _native_layers_for(self, t: int, meta: AttentionMetadata):
+        """The native plan where this step can run it: fused ops on, every row one attending alone
+        (none left to SDPA), and each linear taking its quantized kernel at t rows."""
+        p = self.policy
+        if (not self.native_layers or self.fused is None or meta.tables is None or self.config.head_dim % 8
+                or not (p.deterministic or t <= p.quant_max_rows) or meta.one_query_rows()[3]):
+            return None
+        if self._native_plan is None:
+            self._native_plan = native_layers.build(self, self.fused) or False
+        return self._native_plan or None
 
     # Each step below is one native call where `fused` is set, else the torch ops it replaces.
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 // outside the matmuls is mostly per-op dispatch: an RMSNorm is 6 torch ops, RoPE on q and k
 // plus the KV-cache write about 15. Each of these is one call. Every row is computed alone, in
 // a fixed order: results do not depend on the batch.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -40,6 +40,10 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t H, float 
   for (; j < H; ++j) y[j] = w[j] * (x[j] * r);
 }
 
+}  // namespace
+
+namespace hetserve {
+
 // RMSNorm of each row of x: w * x / sqrt(mean(x^2) + eps). With `delta`, x += delta first (the
 // residual add), in place, and the sum is normalized.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> delta) {
@@ -68,6 +72,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::option
   return y;
 }
 
+}  // namespace hetserve
+
+namespace {
+
 // NeoX rotation of one head (first half with second half) by a position's cos/sin.
 inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t half) {
   int64_t j = 0;
@@ -83,6 +91,10 @@ inline void rotate(const float* x, const float* c, const float* s, float* out, i
     out[half + j] = x2 * c[j] + x1 * s[j];
   }
 }
+
+}  // namespace
+
+namespace hetserve {
 
 // qkv [T, (H + 2 KVH) * D] from the fused projection; cos, sin [T, D/2]. Rotates q and k, writes
 // k and v into the caches [slots, KVH, D] at slot_mapping [T]; returns q [T, H, D].
@@ -111,6 +123,10 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   });
   return q;
 }
+
+}  // namespace hetserve
+
+namespace {
 
 
 // exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 minimax
@@ -174,6 +190,10 @@ void silu_mul_rows(const T* xp, T* yp, int64_t T_, int64_t I) {
   });
 }
 
+}  // namespace
+
+namespace hetserve {
+
 // SwiGLU's gate: gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I], computed in fp32.
 // bf16 in (a bf16 GEMM's output) gives bf16 out: the same values as converting the input to
 // fp32, running the fp32 op and rounding its result to bf16 for the next bf16 GEMM, without the
@@ -191,6 +211,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), T, I);
   return y;
 }
+
+}  // namespace hetserve
+
+namespace {
 
 // The decode attention's K and V rows come from DRAM (a step's weights have evicted them), a
 // token's row of a KV head at a time, 2 KiB apart in the cache ([slots, KVH, D]) and in pages
@@ -260,6 +284,10 @@ constexpr void (*kHeadValues[2][8])(const float*, const float* const*, int64_t, 
      head_values<5, 1>, head_values<6, 1>, head_values<7, 1>, head_values<8, 1>},
     {head_values<1, 2>, head_values<2, 2>, head_values<3, 2>, head_values<4, 2>,
      head_values<5, 2>, head_values<6, 2>, head_values<7, 1>, head_values<8, 1>}};
+
+}  // namespace
+
+namespace hetserve {
 
 // Attention of single query rows over their paged contexts, read in place from the caches
 // [slots, KVH, D] (slot = page * page_size + offset). Row r is q[rows[r]] and sees the first
@@ -332,6 +360,10 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   });
 }
 
+}  // namespace hetserve
+
+namespace {
+
 
 // Greedy sampling's argmax over a 152k vocabulary: torch's CPU argmax took 0.35 ms a row (1.4 ms
 // for 8), about 1% of a 0.5B decode step per row; this takes 0.05 (0.2). One pass finds the
@@ -385,6 +417,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m) {
+  using namespace hetserve;
   m.def("argmax_rows", &argmax_rows, "the first index of each fp32 row's maximum (a NaN's where a row has one)");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, optionally after an in-place residual add");
   m.def("rope_kv_write", &rope_kv_write, "RoPE on q and k of a fused qkv, k and v written to the KV cache");

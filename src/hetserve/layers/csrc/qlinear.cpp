@@ -24,7 +24,7 @@
 // q5_0 and q6_k hold a GGUF's Q5_0 and Q6_K blocks repacked into this layout, at the file's own
 // size (5.5 and 6.5625 bits per weight): the kernel streams no more bytes than the file holds and
 // computes on the file's integers, adding no weight error (see Int5Weights, Int6KWeights).
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -464,6 +464,10 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
                 "bias must be contiguous fp32 [N]");
 }
 
+}  // namespace
+
+namespace hetserve {
+
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                           int64_t passes) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(),
@@ -510,6 +514,10 @@ torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10
   return run(Int6KWeights{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), K, K / kGroup, q.size(1)}, x, N, bias,
              passes);
 }
+
+}  // namespace hetserve
+
+namespace {
 
 // Quantizers: one pass over the fp32 weights. Values are rounded against the fp16 scale (and
 // min) actually stored, so dequantization reproduces exactly what the kernel multiplies.
@@ -580,10 +588,13 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
 
 void register_cpu_ops(pybind11::module& m);      // cpu_ops.cpp: fused norm / RoPE / KV-write
 void register_f32_linear(pybind11::module& m);  // f32linear.cpp: fixed-order fp32 linear
+void register_decode_layers(pybind11::module& m);  // decode_layers.cpp: a decoder's layers in one call
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace hetserve;
   register_cpu_ops(m);
   register_f32_linear(m);
+  register_decode_layers(m);
   namespace py = pybind11;
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights (int8 activations per group of 32; passes: 1 or 2)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias"), py::arg("passes") = 1);
