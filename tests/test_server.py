@@ -416,4 +416,5 @@ def test_serve_writes_a_trace_per_worker(tiny_qwen2, tmp_path):
     path = tmp_path / f"trace-cpu-{worker}.json"
     events = json.loads(path.read_text())["traceEvents"]
     names = {e["name"] for e in events}
-    assert {"step", "forward", "layer", "matmul", "queued", "finished"} <= names
+    # the decode steps' layers run in one native call: one `layers` span each
+    assert {"step", "forward", "layers", "matmul", "queued", "finished"} <= names

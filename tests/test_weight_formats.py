@@ -531,3 +531,22 @@ def test_bf16_prefill_runs_its_chunks_attention_in_bf16(tiny_qwen2, monkeypatch)
     exact = attention.attend_cached(q, k, v, meta, 0.25)
     low = attention.attend_cached(q, k, v, meta, 0.25, chunk_dtype=torch.bfloat16)
     assert low.dtype == torch.float32 and (low - exact).norm() / exact.norm() < 0.01
+
+
+def test_stacking_merges_consecutive_blocks_of_one_format():
+    """A fused QKV whose Q and K share a format and V does not: Q and K become one tensor set, V
+    its own part (two kernels, not three), with each block's outputs bit for bit as alone."""
+    from hetserve.layers.weight_formats import StackedWeight, stack
+
+    torch.manual_seed(12)
+    k = 256
+    q, kk = quantize(torch.randn(48, k), "int4"), quantize(torch.randn(16, k), "int4")
+    v = file_format("q6_k", 16, k, seed=4)[0]
+    fused = stack([q, kk, v])
+    assert isinstance(fused, StackedWeight) and [(p.fmt, p.q.shape[0]) for p in fused.parts] == [("int4", 64),
+                                                                                                ("q6_k", 16)]
+    x, b = torch.randn(3, k), torch.randn(80)
+    alone = torch.cat([w.matmul(x, None) for w in (q, kk, v)], dim=1)
+    assert torch.equal(fused.matmul(x, None), alone)
+    assert torch.equal(fused.matmul(x, b), alone + b)
+    assert isinstance(stack([q, kk]), type(q)) and stack([v]) is v

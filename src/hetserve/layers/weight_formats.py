@@ -154,11 +154,24 @@ class StackedWeight:
 
 
 def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
-    """Row blocks of one linear as one weight: one tensor set where they share a format (every
-    format stores row by row), a StackedWeight where they do not."""
-    if len({p.fmt for p in parts}) > 1:
-        return StackedWeight(parts)
+    """Row blocks of one linear as one weight: consecutive blocks that share a format become one
+    tensor set (every format stores row by row, and each output row's sum is the same whichever
+    rows it is computed with), so a fused QKV whose V alone differs runs two kernels, not three;
+    a StackedWeight where formats differ."""
+    runs: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [_concat(run) for run in runs]
+    return merged[0] if len(merged) == 1 else StackedWeight(merged)
+
+
+def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
+    if len(parts) == 1:
+        return first
     return QuantizedWeight(first.fmt, *(None if t is None else torch.cat([getattr(p, f) for p in parts])
                                         for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
 
