@@ -55,6 +55,11 @@ class AttentionMetadata:
     tables: list[list[int]] | None = None  # block table of each sequence
     _one_query: tuple | None = None
 
+    def native_rows(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqAttention]] | None:
+        """one_query_rows() where the native kernel can read this step's caches (paged, head_dim a
+        multiple of 8), else None."""
+        return self.one_query_rows() if self.tables is not None and head_dim % 8 == 0 else None
+
     def one_query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqAttention]]:
         """For the native CPU kernel, which attends each row alone over its own context: (rows,
         context lengths, block tables [rows, pages]) of the sequences with at most
@@ -131,8 +136,9 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     seqs = meta.seqs
-    if native is not None and d % 8 == 0 and meta.tables is not None:
-        rows, lens, tables, seqs = meta.one_query_rows()
+    split = meta.native_rows(d) if native is not None else None
+    if split is not None:
+        rows, lens, tables, seqs = split
         if len(rows):
             native.attend_rows(q.contiguous(), k_cache, v_cache, out, rows, lens, tables, meta.page_size, scale)
     for s in seqs:

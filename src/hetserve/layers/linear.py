@@ -76,10 +76,15 @@ class Linear:
         # un-permuted by (0: none), so quantized formats can take the file's own blocks.
         self.source: tuple[tuple[str, int], ...] = ()
 
+    def quantized_at(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs this linear's quantized kernel."""
+        p = self.policy
+        return self.qweight is not None and (p.deterministic or rows <= p.quant_max_rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         p = self.policy
-        if self.qweight is not None and (p.deterministic or m <= p.quant_max_rows):
+        if self.quantized_at(m):
             with trace.span("matmul", op=self.name, impl=self.qweight.fmt, rows=m):
                 return self.qweight.matmul(x, self.bias, p.activation_passes)
         if p.deterministic:
@@ -105,8 +110,7 @@ class Linear:
 
     def runs_lowp(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs this linear's bf16 GEMM (a prefill-sized step)."""
-        p = self.policy
-        return self.lowp and not p.deterministic and not (self.qweight is not None and rows <= p.quant_max_rows)
+        return self.lowp and not self.policy.deterministic and not self.quantized_at(rows)
 
     def gemm_lowp(self, x: torch.Tensor) -> torch.Tensor | None:
         """The bf16 GEMM's own output (not brought back to fp32) where this step would run it,

@@ -265,15 +265,15 @@ class DecoderModel:
         with trace.span("model", tokens=t):
             h = F.embedding(input_ids, self.embed)
             cos, sin = self.rope.cos_sin(positions, h.dtype)  # contiguous [T, 1, head_dim/2]
-            delta = None
-            # A step whose GEMMs run bf16 (prefill-sized) runs its chunks' attention in bf16 too;
-            # decode-sized steps keep every op fp32.
             plan = self._native_layers_for(t, meta)
             if plan is not None:
                 rows, lens, tables, _ = meta.one_query_rows()
                 with trace.span("layers", native=True):
                     return plan.run(h, self.final_norm, cos, sin, kv_caches, meta.slot_mapping, rows, lens, tables,
                                     meta.page_size, self.policy.activation_passes)
+            delta = None
+            # A step whose GEMMs run bf16 (prefill-sized) runs its chunks' attention in bf16 too;
+            # decode-sized steps keep every op fp32.
             chunk_dtype = torch.bfloat16 if self.layers and self.layers[0].qkv.runs_lowp(t) else None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 with trace.span("layer", index=i):
@@ -295,13 +295,15 @@ class DecoderModel:
     def _native_layers_for(self, t: int, meta: AttentionMetadata):
         """The native plan where this step can run it: fused ops on, every row one attending alone
         (none left to SDPA), and each linear taking its quantized kernel at t rows."""
-        p = self.policy
-        if (not self.native_layers or self.fused is None or meta.tables is None or self.config.head_dim % 8
-                or not (p.deterministic or t <= p.quant_max_rows) or meta.one_query_rows()[3]):
+        if not self.native_layers or self.fused is None:
+            return None
+        split = meta.native_rows(self.config.head_dim)
+        if split is None or split[3]:
             return None
         if self._native_plan is None:
             self._native_plan = native_layers.build(self, self.fused) or False
-        return self._native_plan or None
+        # A plan exists only where every linear has a quantized copy, and they share one policy.
+        return self._native_plan if self._native_plan and self.layers[0].qkv.quantized_at(t) else None
 
     # Each step below is one native call where `fused` is set, else the torch ops it replaces.
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

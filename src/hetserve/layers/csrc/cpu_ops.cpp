@@ -217,9 +217,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 namespace {
 
 // The decode attention's K and V rows come from DRAM (a step's weights have evicted them), a
-// token's row of a KV head at a time, 2 KiB apart in the cache ([slots, KVH, D]) and in pages
-// wherever the block table says: past what the hardware prefetchers follow. Asking for the
-// rows a few tokens ahead cut a 600-token context's attention by a third (cold caches).
+// token's row of a KV head at a time, KVH * D floats apart in the cache ([slots, KVH, D]; 1 KiB
+// for the 1.5B) and in pages wherever the block table says: past what the hardware prefetchers
+// follow. Asking for the rows a few tokens ahead cut a 600-token context's attention by a third
+// (cold caches).
 constexpr int64_t kRowsAhead = 8;     // tokens ahead in the scores' pass over K
 constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass over V
 
