@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hetserve import SamplingParams
 from hetserve.layers import native
 from hetserve.layers.linear import Linear, MatmulPolicy, fixed_order_linear
-from hetserve.layers.weight_formats import quantize
+from hetserve.layers.weight_formats import int4_from_integers, int8_from_integers, quantize
 
 REAL_PROMPTS = [
     "def binary_search(arr, target):",
@@ -94,9 +94,12 @@ def test_kernel_variants_give_the_same_bits(variant):
             for fmt in ("int8", "int4"):
                 q = getattr(portable, f"quantize_{fmt}")(w)
                 assert all(torch.equal(a, c) for a, c in zip(getattr(ours, f"quantize_{fmt}")(w), q))
+                qw = (int8_from_integers if fmt == "int8" else int4_from_integers)(*q)
+                args = (qw.q, qw.scale) if fmt == "int8" else (qw.q, qw.scale, qw.min)
                 linear = f"{fmt}_linear"
                 for passes in (1, 2):
-                    assert torch.equal(getattr(ours, linear)(x, *q, b, passes), getattr(portable, linear)(x, *q, b, passes))
+                    assert torch.equal(getattr(ours, linear)(x, *args, n, b, passes),
+                                       getattr(portable, linear)(x, *args, n, b, passes))
     from test_weight_formats import file_format
 
     for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
@@ -105,7 +108,7 @@ def test_kernel_variants_give_the_same_bits(variant):
         for m in (1, 2, 3, 4, 5, 17):
             x = torch.randn(m, k)
             for passes in (1, 2):
-                args = (x, qw.q, qw.scale, b, passes)
+                args = (x, qw.q, qw.scale, qw.rows, b, passes)
                 assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
 
 

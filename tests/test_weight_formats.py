@@ -31,7 +31,7 @@ def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
     wq = qw.group_values().double()
     y = torch.einsum("mgj,ngj,mg,ng->mn", xq, wq, d, qw.group_scales().double())
     if qw.fmt == "int4":
-        y = y + torch.einsum("mg,ng->mn", xs, qw.min.double())
+        y = y + torch.einsum("mg,ng->mn", xs, qw.group_mins().double())
     return y if bias is None else y + bias.double()
 
 
@@ -41,14 +41,14 @@ def test_quantizer_keeps_the_format(fmt):
     w = torch.randn(37, 96) * torch.logspace(-3, 1, 37)[:, None]
     w[3, :32] = 0.0  # an all-zero group
     qw = quantize(w, fmt)
-    assert qw.scale.dtype == torch.float16 and qw.scale.shape == (37, 3)
+    assert qw.scale.dtype == torch.float16 and qw.group_scales().shape == (37, 3) and qw.rows == 37
     deq = qw.dequantize()
-    step = qw.scale.float().repeat_interleave(GROUP, dim=1)
-    # 3 groups: one block of 4 (128 values), its 4th group zero padding
+    step = qw.group_scales().float().repeat_interleave(GROUP, dim=1)
+    # 37 rows: 3 panels of 16 outputs, the last 11 rows zero padding; 3 groups of 512 or 256 bytes a panel
     if fmt == "int8":
-        assert qw.q.dtype == torch.int8 and qw.q.shape == (37, 128) and qw.q.abs().max() <= 127
+        assert qw.q.dtype == torch.int8 and qw.q.shape == (3, 3 * 512) and qw.q.abs().max() <= 127
     else:
-        assert qw.q.dtype == torch.uint8 and qw.q.shape == (37, 64)
+        assert qw.q.dtype == torch.uint8 and qw.q.shape == (3, 3 * 256)
     values = qw.group_values()
     stored = qw.q.long().abs() if fmt == "int8" else (qw.q & 0x0F).long() + (qw.q >> 4).long()
     assert values.shape == (37, 3, GROUP) and stored.sum() == values.long().abs().sum()  # the padding is 0
@@ -58,12 +58,16 @@ def test_quantizer_keeps_the_format(fmt):
     assert torch.all(deq[3, :32] == 0)
 
 
+# Rows: the kernels' tiles (up to 6 rows with AVX-512, 4 with AVX2), their remainders, several tiles.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13]
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("k", [160, 256, 544, 576, 896])  # 5, 8, 17, 18, 28 groups: 8 at a time plus a remainder
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("k", [160, 256, 544, 576, 896])  # 5, 8, 17, 18, 28 groups
 def test_kernel_computes_the_stated_math(fmt, m, k):
     torch.manual_seed(m)
-    w, b = torch.randn(70, k), torch.randn(70)  # 70 rows: a remainder after blocks of 4
+    w, b = torch.randn(70, k), torch.randn(70)  # 70 outputs: 4 panels of 16 and a partial one
     x = torch.randn(m, k)
     qw = quantize(w, fmt)
     for bias in (None, b):
@@ -163,13 +167,13 @@ def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False):
 @pytest.mark.parametrize("k", [256, 768, 4864])  # 1, 3 and 19 super-blocks of 256
 def test_file_formats_hold_the_files_blocks_at_their_size(fmt, k):
     """q5_0 / q6_k give the file's dequantized weights exactly, in as many bytes as the file."""
-    qw, ref, nbytes = file_format(fmt, 24, k)
+    qw, ref, nbytes = file_format(fmt, 32, k)
     assert torch.equal(qw.dequantize(), ref)
-    assert qw.nbytes == nbytes  # these widths fill whole blocks of 4 groups
+    assert qw.nbytes == nbytes  # 32 rows fill whole panels of 16
 
 
 @pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", ROWS)
 def test_file_format_kernels_compute_the_stated_math(fmt, m):
     k = 896 if fmt == "q5_0" else 768
     qw, ref_w, _ = file_format(fmt, 70, k, seed=m)
@@ -218,8 +222,12 @@ def test_stacked_formats_run_side_by_side():
     x, b = torch.randn(3, 512), torch.randn(28)
     assert torch.equal(w.matmul(x, b), torch.cat([p.matmul(x, None) for p in parts], 1) + b)
     assert torch.equal(w.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    same = stack([parts[1], quantize(torch.randn(8, 512), "int4")])
-    assert not isinstance(same, StackedWeight) and same.q.shape[0] == 16
+    same = stack([quantize(torch.randn(16, 512), "int4"), parts[1]])
+    assert not isinstance(same, StackedWeight) and same.rows == 24 and same.q.shape[0] == 2
+    # A block that ends inside a panel of 16 rows keeps its own tensors.
+    apart = stack([parts[1], quantize(torch.randn(16, 512), "int4")])
+    assert isinstance(apart, StackedWeight) and [p.rows for p in apart.parts] == [8, 16]
+    assert torch.equal(apart.matmul(x, None), torch.cat([p.matmul(x, None) for p in apart.parts], 1))
 
 
 def test_kernel_rejects_bad_shapes():
@@ -443,7 +451,7 @@ def test_nibble_blocks_are_the_files_weights(qtype):
         assert torch.equal(qw.dequantize(), ref)
     else:
         # Only fp16 rounding of each group's scale and min: |error| <= 2^-11 (15 |scale| + |min|).
-        bound = 2.0 ** -11 * (15 * qw.scale.float().abs() + qw.min.float().abs()) * 1.001
+        bound = 2.0 ** -11 * (15 * qw.group_scales().float().abs() + qw.group_mins().float().abs()) * 1.001
         assert ((qw.dequantize() - ref).view(8, 16, 32).abs().amax(-1) <= bound).all()
 
 
@@ -543,7 +551,7 @@ def test_stacking_merges_consecutive_blocks_of_one_format():
     q, kk = quantize(torch.randn(48, k), "int4"), quantize(torch.randn(16, k), "int4")
     v = file_format("q6_k", 16, k, seed=4)[0]
     fused = stack([q, kk, v])
-    assert isinstance(fused, StackedWeight) and [(p.fmt, p.q.shape[0]) for p in fused.parts] == [("int4", 64),
+    assert isinstance(fused, StackedWeight) and [(p.fmt, p.rows) for p in fused.parts] == [("int4", 64),
                                                                                                 ("q6_k", 16)]
     x, b = torch.randn(3, k), torch.randn(80)
     alone = torch.cat([w.matmul(x, None) for w in (q, kk, v)], dim=1)

@@ -8,8 +8,8 @@ int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q
 q5_0: Q5_0 as the file holds it (w = (q - 16) * scale, q in 0..31), at its 5.5 bits a weight.
 q6_k: Q6_K as the file holds it (w = (q - 32) * sub * d, q in 0..63, an int8 sub-scale per 16
       weights and an fp16 d per 256), at its 6.5625 bits a weight.
-All store each row in blocks of 4 groups whose elements are interleaved for the kernel
-(`group_values` restores element order; csrc/qlinear.cpp gives each block's bytes).
+All store panels of 16 output rows, each group of a panel as 8 quads (4 elements of 16 outputs)
+for the kernel (`group_values` restores element order; csrc/qlinear.cpp gives each group's bytes).
 All run in the package's extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 `gguf` is not a stored format but a choice per tensor: the kernel format that holds the file's
@@ -29,6 +29,7 @@ from .native import NativeUnavailable, kernels
 log = logging.getLogger(__name__)
 
 GROUP = 32
+PANEL = 16  # output rows stored together (csrc/qlinear.cpp)
 FORMATS = ("auto", "fp32", "int8", "int4", "gguf")
 # `auto` picks this where the extension runs: every tensor as the file holds it where a kernel
 # format does (no weight error added to the file's), int8 elsewhere. It reads 395 / 1049 MB a
@@ -62,7 +63,10 @@ def resolve_weight_format(fmt: str, device: str | torch.device, auto: str = AUTO
 
 @dataclass
 class QuantizedWeight:
+    """`rows` outputs in panels of 16 (the last zero-padded): q [panels, groups * group bytes],
+    scale (and int4's min) fp16 [panels, groups, 16]; q6_k's d [panels, groups / 8, 16]."""
     fmt: str
+    rows: int
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None = None
@@ -72,51 +76,57 @@ class QuantizedWeight:
         what the first left, for about 15 bits an element; EngineConfig.activation_rounding)."""
         x = x.float().contiguous()
         if self.fmt == "int8":
-            return kernels().int8_linear(x, self.q, self.scale, bias, passes)
+            return kernels().int8_linear(x, self.q, self.scale, self.rows, bias, passes)
         if self.fmt == "int4":
-            return kernels().int4_linear(x, self.q, self.scale, self.min, bias, passes)
+            return kernels().int4_linear(x, self.q, self.scale, self.min, self.rows, bias, passes)
         if self.fmt == "q5_0":
-            return kernels().q5_0_linear(x, self.q, self.scale, bias, passes)
-        return kernels().q6_k_linear(x, self.q, self.scale, bias, passes)
+            return kernels().q5_0_linear(x, self.q, self.scale, self.rows, bias, passes)
+        return kernels().q6_k_linear(x, self.q, self.scale, self.rows, bias, passes)
 
     @property
     def groups(self) -> int:
         return self.scale.shape[1] * (8 if self.fmt == "q6_k" else 1)
 
     def group_values(self) -> torch.Tensor:
-        """The integer weights as [n, groups, 32] in element order, such that w = value * group
+        """The integer weights as [rows, groups, 32] in element order, such that w = value * group
         scale (+ min for int4): q5_0's q - 16, q6_k's (q - 32) * sub."""
-        n, groups = self.q.shape[0], self.groups
-        blocks = -(-groups // 4)
-        b = self.q.view(n, blocks, -1)
+        panels, groups = self.q.shape[0], self.groups
+        b = self.q.view(panels, groups, -1)
         if self.fmt == "int8":
-            values = self.q
-        else:  # bytes 32h .. 32h + 31 of a block: vector 2h low, 2h + 1 high nibbles
-            halves = b[:, :, :64].reshape(n, blocks, 2, 1, 32)
-            values = torch.cat([halves & 0x0F, halves >> 4], dim=3).view(n, blocks, 4, 32)
-            if self.fmt == "q5_0":  # word v's bit i: the 5th bit of vector v's byte i
-                bits = (b[:, :, 64:80].reshape(n, blocks, 4, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-                values = (values | (bits.view(n, blocks, 4, 32) << 4)).to(torch.int16) - 16
-            elif self.fmt == "q6_k":  # byte i's bits 2v, 2v + 1: the top of vector v's byte i
+            values = b.view(panels, groups, 8, PANEL, 4)
+        else:  # nibble vector c: quad 2c in the low, 2c + 1 in the high nibbles
+            nib = b[:, :, :256].reshape(panels, groups, 4, 1, 64)
+            quads = torch.cat([nib & 0x0F, nib >> 4], dim=3).view(panels, groups, 8, 64)
+            if self.fmt == "q5_0":  # quad k's word: bit i is byte i's 5th bit
+                bits = (b[:, :, 256:320].reshape(panels, groups, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+                quads = (quads | (bits.view(panels, groups, 8, 64) << 4)).to(torch.int16) - 16
+            elif self.fmt == "q6_k":  # top vector j's bits 2s, 2s + 1: quad 4j + s
                 shifts = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
-                top = (b[:, :, 64:96].reshape(n, blocks, 1, 32) >> shifts) & 3
-                sub = b[:, :, 96:104].view(torch.int8).view(n, blocks, 4, 2).transpose(2, 3).to(torch.int16)
-                half_of_vector = torch.tensor([0, 0, 1, 1])  # vectors 0, 1: first 16 weights; 2, 3: last 16
-                lane_group = torch.arange(32) // 4 % 4  # the group a byte of a vector belongs to
-                values = ((values | (top << 4)).to(torch.int16) - 32) * sub[:, :, half_of_vector][..., lane_group]
-            values = values.reshape(n, -1)
-        return values[:, _element_positions(groups, self.q.device)].view(n, groups, GROUP)
+                top = (b[:, :, 256:384].reshape(panels, groups, 2, 1, 64) >> shifts) & 3
+                sub = b[:, :, 384:416].view(torch.int8).view(panels, groups, PANEL, 2).transpose(2, 3)
+                sub = sub[:, :, [0, 0, 0, 0, 1, 1, 1, 1]].to(torch.int16)  # quads 0-3: the first 16 elements
+                quads = ((quads | (top.reshape(panels, groups, 8, 64) << 4)).to(torch.int16) - 32) * \
+                    sub.repeat_interleave(4, dim=3)
+            values = quads.view(panels, groups, 8, PANEL, 4)
+        return values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, groups, GROUP)[:self.rows]
+
+    def _by_row(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:self.rows]
 
     def group_scales(self) -> torch.Tensor:
-        """The fp16 scale of each group, [n, groups] (q6_k stores one per 8 groups)."""
-        return self.scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else self.scale
+        """The fp16 scale of each group, [rows, groups] (q6_k stores one per 8 groups)."""
+        scale = self._by_row(self.scale)
+        return scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else scale
+
+    def group_mins(self) -> torch.Tensor:
+        """int4's fp16 offset of each group, [rows, groups]."""
+        return self._by_row(self.min)
 
     def dequantize(self) -> torch.Tensor:
-        n = self.q.shape[0]
         w = self.group_values().float() * self.group_scales().float()[..., None]
         if self.fmt == "int4":
-            w = w + self.min.float()[..., None]
-        return w.view(n, -1)
+            w = w + self.group_mins().float()[..., None]
+        return w.view(self.rows, -1)
 
     @property
     def nbytes(self) -> int:
@@ -157,10 +167,10 @@ def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
     """Row blocks of one linear as one weight: consecutive blocks that share a format become one
     tensor set (every format stores row by row, and each output row's sum is the same whichever
     rows it is computed with), so a fused QKV whose V alone differs runs two kernels, not three;
-    a StackedWeight where formats differ."""
+    a StackedWeight where formats differ (or a block ends inside a panel of 16 rows)."""
     runs: list[list[QuantizedWeight]] = []
     for p in parts:
-        if runs and runs[-1][0].fmt == p.fmt:
+        if runs and runs[-1][0].fmt == p.fmt and runs[-1][-1].rows % PANEL == 0:
             runs[-1].append(p)
         else:
             runs.append([p])
@@ -172,16 +182,35 @@ def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    return QuantizedWeight(first.fmt, *(None if t is None else torch.cat([getattr(p, f) for p in parts])
-                                        for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
+    return QuantizedWeight(first.fmt, sum(p.rows for p in parts),
+                           *(None if t is None else torch.cat([getattr(p, f) for p in parts])
+                             for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
 
 
-def _element_positions(groups: int, device: torch.device) -> torch.Tensor:
-    """Where element e of group g sits in an interleaved row (csrc/qlinear.cpp `interleaved`):
-    in block g // 4, lane g % 4 + 4 * (e // 4 % 2) of vector e // 8, byte e % 4 of the lane."""
-    g = torch.arange(groups, device=device)[:, None]
-    e = torch.arange(GROUP, device=device)[None, :]
-    return (g // 4 * 128 + 32 * (e // 8) + 4 * (g % 4 + 4 * (e // 4 % 2)) + e % 4).flatten()
+def _panel_quads(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] one value a byte in element order -> [panels, groups, 8, 64]: quad k of a group
+    of a panel, byte 4n + b holding element 4k + b of the panel's output n (zero padding rows)."""
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=q.dtype)
+    padded[:n] = q
+    return padded.view(panels, PANEL, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4).reshape(panels, k // GROUP, 8, 64)
+
+
+def _panel_scales(s: torch.Tensor) -> torch.Tensor:
+    """[N, C] per output -> [panels, C, 16] (zero padding rows)."""
+    n, c = s.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, c, dtype=s.dtype)
+    padded[:n] = s
+    return padded.view(panels, PANEL, c).transpose(1, 2).contiguous()
+
+
+def _nibbles(quads: torch.Tensor) -> torch.Tensor:
+    """[panels, groups, 8, 64] -> [panels, groups, 256]: vector c holds quad 2c in its low nibbles
+    and 2c + 1 in its high nibbles."""
+    v = quads & 0x0F
+    return (v[:, :, 0::2] | (v[:, :, 1::2] << 4)).flatten(2)
 
 
 def int8_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -191,7 +220,8 @@ def int8_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     n, k = q.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or q.dtype != torch.int8 or scale.dtype != torch.float16:
         raise ValueError(f"int8 integers must be int8 [N, K], K a multiple of {GROUP}, with fp16 scales [N, K/{GROUP}]")
-    return QuantizedWeight("int8", _interleave(q).view(n, -1), scale.contiguous())  # padding groups stay 0
+    quads = _panel_quads(q)
+    return QuantizedWeight("int8", n, quads.reshape(quads.shape[0], -1), _panel_scales(scale))
 
 
 def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> QuantizedWeight:
@@ -202,24 +232,8 @@ def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) 
     if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or min.shape != scale.shape:
         raise ValueError(f"int4 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scale and min "
                          f"[N, K/{GROUP}]")
-    packed = _nibble_bytes(_interleave(q)).view(n, -1)
-    return QuantizedWeight("int4", packed.contiguous(), scale.contiguous(), min.contiguous())
-
-
-def _interleave(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] one value a byte in element order -> [N, blocks, 4, 32] in the kernels' interleaved
-    order (zero padding groups)."""
-    n, k = q.shape
-    groups = k // GROUP
-    values = torch.zeros(n, -(-groups // 4) * 4 * GROUP, dtype=q.dtype)
-    values[:, _element_positions(groups, q.device)] = q.contiguous()
-    return values.view(n, -1, 4, 32)
-
-
-def _nibble_bytes(values: torch.Tensor) -> torch.Tensor:
-    """[N, blocks, 4, 32] -> [N, blocks, 64]: vectors 2h and 2h + 1 share bytes 32h .. 32h + 31."""
-    v = values & 0x0F
-    return (v[:, :, 0::2] | (v[:, :, 1::2] << 4)).flatten(2)
+    packed = _nibbles(_panel_quads(q))
+    return QuantizedWeight("int4", n, packed.reshape(packed.shape[0], -1), _panel_scales(scale), _panel_scales(min))
 
 
 def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -228,11 +242,12 @@ def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     n, k = q.shape
     if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or scale.dtype != torch.float16:
         raise ValueError(f"q5_0 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scales")
-    values = _interleave(q)
-    bits = ((values >> 4) & 1).view(n, values.shape[1], 4, 4, 8) << torch.arange(8, dtype=torch.uint8)
-    words = bits.sum(-1, dtype=torch.uint8).flatten(2)  # 4 little-endian words: bit i <- byte i
-    packed = torch.cat([_nibble_bytes(values), words], dim=2).view(n, -1)
-    return QuantizedWeight("q5_0", packed.contiguous(), scale.contiguous())
+    quads = _panel_quads(q)
+    panels, groups = quads.shape[:2]
+    bits = ((quads >> 4) & 1).view(panels, groups, 8, 8, 8) << torch.arange(8, dtype=torch.uint8)
+    words = bits.sum(-1, dtype=torch.uint8).flatten(2)  # a little-endian word a quad: bit i <- byte i
+    packed = torch.cat([_nibbles(quads), words], dim=2)
+    return QuantizedWeight("q5_0", n, packed.reshape(panels, -1), _panel_scales(scale))
 
 
 def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
@@ -243,13 +258,13 @@ def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> Q
             d.shape != (n, k // 256) or d.dtype != torch.float16:
         raise ValueError("q6_k integers must be uint8 [N, K], K a multiple of 256, with int8 sub-scales "
                          "[N, K/16] and fp16 d [N, K/256]")
-    values = _interleave(q)
-    blocks = values.shape[1]
-    top = ((values >> 4) & 3) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
-    top = top.sum(2, dtype=torch.uint8)  # [N, blocks, 32]: byte i's bits 2v, 2v + 1 <- vector v's byte i
-    subs = sub.view(n, blocks, 8).view(torch.uint8)  # by group: first half's, then second half's
-    packed = torch.cat([_nibble_bytes(values), top, subs], dim=2).view(n, -1)
-    return QuantizedWeight("q6_k", packed.contiguous(), d.contiguous())
+    quads = _panel_quads(q)
+    panels, groups = quads.shape[:2]
+    top = ((quads >> 4) & 3).view(panels, groups, 2, 4, 64) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    top = top.sum(3, dtype=torch.uint8).flatten(2)  # vector j's byte i: bits 2s, 2s + 1 <- quad 4j + s
+    subs = _panel_scales(sub.view(torch.uint8)).view(panels, groups, 2, PANEL).transpose(2, 3).flatten(2)
+    packed = torch.cat([_nibbles(quads), top, subs], dim=2)
+    return QuantizedWeight("q6_k", n, packed.reshape(panels, -1), _panel_scales(d))
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
@@ -258,7 +273,7 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
         raise ValueError(f"{fmt} needs an input width that is a multiple of {GROUP}, got {w.shape[1]}")
     w = w.detach().float().contiguous()
     if fmt == "int8":
-        return QuantizedWeight("int8", *kernels().quantize_int8(w))
+        return int8_from_integers(*kernels().quantize_int8(w))
     if fmt == "int4":
-        return QuantizedWeight("int4", *kernels().quantize_int4(w))
+        return int4_from_integers(*kernels().quantize_int4(w))
     raise ValueError(f"cannot quantize to {fmt!r}")

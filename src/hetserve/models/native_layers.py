@@ -18,7 +18,7 @@ from ..layers.weight_formats import StackedWeight
 def _linear_spec(lin: Linear) -> tuple[list[tuple], Any]:
     qw = lin.qweight
     parts = qw.parts if isinstance(qw, StackedWeight) else [qw]
-    return [(p.fmt, p.q, p.scale, p.min) for p in parts], lin.bias
+    return [(p.fmt, p.q, p.scale, p.min, p.rows) for p in parts], lin.bias
 
 
 def build(model, kernels) -> Any | None:

@@ -33,6 +33,7 @@ struct Part {
   Format fmt;
   Tensor q, scale;
   OptTensor min;
+  int64_t rows;
 };
 
 // A linear: its parts side by side (a StackedWeight's, or one), then the bias.
@@ -41,16 +42,16 @@ struct Linear {
   OptTensor bias;
 };
 
-// As Python gives them: ([(format, q, scale, min or None), ...], bias or None).
-using PartSpec = std::tuple<std::string, Tensor, Tensor, OptTensor>;
+// As Python gives them: ([(format, q, scale, min or None, rows), ...], bias or None).
+using PartSpec = std::tuple<std::string, Tensor, Tensor, OptTensor, int64_t>;
 using LinearSpec = std::tuple<std::vector<PartSpec>, OptTensor>;
 // (attn_norm, mlp_norm, qkv, o, gate_up, down)
 using LayerSpec = std::tuple<Tensor, Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec>;
 
 Linear make_linear(const LinearSpec& spec) {
   Linear l{{}, std::get<1>(spec)};
-  for (const auto& [fmt, q, scale, min] : std::get<0>(spec)) {
-    l.parts.push_back({parse_format(fmt), q, scale, min});
+  for (const auto& [fmt, q, scale, min, rows] : std::get<0>(spec)) {
+    l.parts.push_back({parse_format(fmt), q, scale, min, rows});
     TORCH_CHECK(l.parts.back().fmt != Format::kInt4 || (min && min->defined()), "int4 weights need their min");
   }
   TORCH_CHECK(!l.parts.empty(), "a linear needs at least one part");
@@ -59,10 +60,10 @@ Linear make_linear(const LinearSpec& spec) {
 
 Tensor apply_part(const Part& p, const Tensor& x, const OptTensor& bias, int64_t passes) {
   switch (p.fmt) {
-    case Format::kInt8: return hetserve::int8_linear(x, p.q, p.scale, bias, passes);
-    case Format::kInt4: return hetserve::int4_linear(x, p.q, p.scale, *p.min, bias, passes);
-    case Format::kQ5_0: return hetserve::q5_0_linear(x, p.q, p.scale, bias, passes);
-    case Format::kQ6K: return hetserve::q6_k_linear(x, p.q, p.scale, bias, passes);
+    case Format::kInt8: return hetserve::int8_linear(x, p.q, p.scale, p.rows, bias, passes);
+    case Format::kInt4: return hetserve::int4_linear(x, p.q, p.scale, *p.min, p.rows, bias, passes);
+    case Format::kQ5_0: return hetserve::q5_0_linear(x, p.q, p.scale, p.rows, bias, passes);
+    case Format::kQ6K: return hetserve::q6_k_linear(x, p.q, p.scale, p.rows, bias, passes);
   }
   TORCH_CHECK(false, "unknown format");
 }

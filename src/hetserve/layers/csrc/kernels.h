@@ -5,14 +5,15 @@
 
 namespace hetserve {
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
-                          int64_t passes);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min,
+// x [M, K] against `rows` outputs held in panels of 16 (qlinear.cpp describes the layout).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t rows,
                           c10::optional<torch::Tensor> bias, int64_t passes);
-torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
-                          int64_t passes);
-torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10::optional<torch::Tensor> bias,
-                          int64_t passes);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes);
+torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes);
+torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> delta);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
