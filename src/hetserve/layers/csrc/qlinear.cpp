@@ -56,6 +56,7 @@ constexpr int64_t kPanel = 16;                   // output rows per panel
 constexpr int kHalves = kWide ? 1 : 2;           // vectors per panel row of 64 bytes
 constexpr int kLanes = kPanel / kHalves;         // outputs per vector
 constexpr int kMaxRows = kWide ? 6 : 4;          // activation rows per pass over a panel
+constexpr int kTogetherRows = 4;                 // AVX2: rows whose two halves' sums fit the registers
 
 inline int64_t num_panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
@@ -404,36 +405,43 @@ struct Int6KWeights {
 // did about as well). Prefetches never fault, so the last panels' reach past the end is harmless.
 constexpr int64_t kPrefetchAhead = 2048;
 
-// Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 the
-// panel's two halves of 8 outputs run one after the other; the second finds the panel's bytes
-// in cache.
+// Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
+// panel's two halves of 8 outputs run in the same pass over its groups where the registers
+// hold both halves' sums (kTogether), else one pass after the other, the second finding the
+// panel in cache and prefetching the next one so that memory keeps streaming.
 template <int R, class W>
 void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const float* bias, float* y) {
+  constexpr bool kTogether = kHalves == 1 || R <= kTogetherRows;
+  constexpr int kPasses = kTogether ? 1 : kHalves, kInner = kTogether ? kHalves : 1;
   const Rows<R> x(xq, m0);
-  for (int h = 0; h < kHalves; ++h) {
-    const int64_t n0 = p * kPanel + h * kLanes, valid = std::min<int64_t>(kLanes, N - n0);
-    if (valid <= 0) break;
-    VF acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zerof();
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (p * kPanel + pass * kLanes >= N) break;
+    VF acc[kInner][R];
+    for (int i = 0; i < kInner; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = zerof();
     for (int64_t g = 0; g < w.G; ++g) {
-      if (h == 0) {
-        const char* ahead = reinterpret_cast<const char*>(w.group(p, g)) + kPrefetchAhead;
-        for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-      }
-      VI dots[R];
-      w.template dots<R>(p, g, h, x, dots);
-      const VF ws = w.scales(p, g, h);
-      for (int r = 0; r < R; ++r) acc[r] = fmadd(cvt(dots[r]), mul(ws, setf(x.d[r][g])), acc[r]);
-      if constexpr (W::kHasMin) {
-        const VF wm = w.mins(p, g, h);
-        for (int r = 0; r < R; ++r) acc[r] = fmadd(wm, setf(x.s[r][g]), acc[r]);
+      const char* ahead = reinterpret_cast<const char*>(w.group(p + pass, g)) + kPrefetchAhead;
+      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      for (int i = 0; i < kInner; ++i) {
+        const int h = pass + i;
+        VI dots[R];
+        w.template dots<R>(p, g, h, x, dots);
+        const VF ws = w.scales(p, g, h);
+        for (int r = 0; r < R; ++r) acc[i][r] = fmadd(cvt(dots[r]), mul(ws, setf(x.d[r][g])), acc[i][r]);
+        if constexpr (W::kHasMin) {
+          const VF wm = w.mins(p, g, h);
+          for (int r = 0; r < R; ++r) acc[i][r] = fmadd(wm, setf(x.s[r][g]), acc[i][r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      alignas(64) float out[kLanes];
-      storef(out, acc[r]);
-      float* yr = y + (m0 + r) * N + n0;
-      for (int64_t i = 0; i < valid; ++i) yr[i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+    for (int i = 0; i < kInner; ++i) {
+      const int64_t n0 = p * kPanel + (pass + i) * kLanes, valid = std::min<int64_t>(kLanes, N - n0);
+      for (int r = 0; r < R && valid > 0; ++r) {
+        alignas(64) float out[kLanes];
+        storef(out, acc[i][r]);
+        float* yr = y + (m0 + r) * N + n0;
+        for (int64_t j = 0; j < valid; ++j) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.f);
+      }
     }
   }
 }
