@@ -165,8 +165,8 @@ class StackedWeight:
 
 def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
     """Row blocks of one linear as one weight: consecutive blocks that share a format become one
-    tensor set (every format stores row by row, and each output row's sum is the same whichever
-    rows it is computed with), so a fused QKV whose V alone differs runs two kernels, not three;
+    tensor set (every format stores whole panels of rows, and each output row's sum is the same
+    whichever rows it is computed with), so a fused QKV whose V alone differs runs two kernels, not three;
     a StackedWeight where formats differ (or a block ends inside a panel of 16 rows)."""
     runs: list[list[QuantizedWeight]] = []
     for p in parts:
@@ -187,23 +187,23 @@ def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
                              for f, t in (("q", first.q), ("scale", first.scale), ("min", first.min))))
 
 
+def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows appended to whole panels of 16."""
+    padded = torch.zeros(-(-t.shape[0] // PANEL) * PANEL, *t.shape[1:], dtype=t.dtype)
+    padded[:t.shape[0]] = t
+    return padded
+
+
 def _panel_quads(q: torch.Tensor) -> torch.Tensor:
     """[N, K] one value a byte in element order -> [panels, groups, 8, 64]: quad k of a group
     of a panel, byte 4n + b holding element 4k + b of the panel's output n (zero padding rows)."""
-    n, k = q.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=q.dtype)
-    padded[:n] = q
-    return padded.view(panels, PANEL, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4).reshape(panels, k // GROUP, 8, 64)
+    groups = q.shape[1] // GROUP
+    return _padded_rows(q).view(-1, PANEL, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, groups, 8, 64)
 
 
 def _panel_scales(s: torch.Tensor) -> torch.Tensor:
     """[N, C] per output -> [panels, C, 16] (zero padding rows)."""
-    n, c = s.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, c, dtype=s.dtype)
-    padded[:n] = s
-    return padded.view(panels, PANEL, c).transpose(1, 2).contiguous()
+    return _padded_rows(s).view(-1, PANEL, s.shape[1]).transpose(1, 2).contiguous()
 
 
 def _nibbles(quads: torch.Tensor) -> torch.Tensor:

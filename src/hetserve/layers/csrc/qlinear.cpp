@@ -56,7 +56,6 @@ constexpr int64_t kPanel = 16;                   // output rows per panel
 constexpr int kHalves = kWide ? 1 : 2;           // vectors per panel row of 64 bytes
 constexpr int kLanes = kPanel / kHalves;         // outputs per vector
 constexpr int kMaxRows = kWide ? 6 : 4;          // activation rows per pass over a panel
-constexpr int kTogetherRows = 4;                 // AVX2: rows whose two halves' sums fit the registers
 
 inline int64_t num_panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
@@ -406,42 +405,35 @@ struct Int6KWeights {
 constexpr int64_t kPrefetchAhead = 2048;
 
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
-// panel's two halves of 8 outputs run in the same pass over its groups where the registers
-// hold both halves' sums (kTogether), else one pass after the other, the second finding the
-// panel in cache and prefetching the next one so that memory keeps streaming.
+// panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
+// keep both halves' sums in registers): in two passes, memory sat idle during the second.
 template <int R, class W>
 void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const float* bias, float* y) {
-  constexpr bool kTogether = kHalves == 1 || R <= kTogetherRows;
-  constexpr int kPasses = kTogether ? 1 : kHalves, kInner = kTogether ? kHalves : 1;
   const Rows<R> x(xq, m0);
-  for (int pass = 0; pass < kPasses; ++pass) {
-    if (p * kPanel + pass * kLanes >= N) break;
-    VF acc[kInner][R];
-    for (int i = 0; i < kInner; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r] = zerof();
-    for (int64_t g = 0; g < w.G; ++g) {
-      const char* ahead = reinterpret_cast<const char*>(w.group(p + pass, g)) + kPrefetchAhead;
-      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-      for (int i = 0; i < kInner; ++i) {
-        const int h = pass + i;
-        VI dots[R];
-        w.template dots<R>(p, g, h, x, dots);
-        const VF ws = w.scales(p, g, h);
-        for (int r = 0; r < R; ++r) acc[i][r] = fmadd(cvt(dots[r]), mul(ws, setf(x.d[r][g])), acc[i][r]);
-        if constexpr (W::kHasMin) {
-          const VF wm = w.mins(p, g, h);
-          for (int r = 0; r < R; ++r) acc[i][r] = fmadd(wm, setf(x.s[r][g]), acc[i][r]);
-        }
+  VF acc[kHalves][R];
+  for (int h = 0; h < kHalves; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = zerof();
+  for (int64_t g = 0; g < w.G; ++g) {
+    const char* ahead = reinterpret_cast<const char*>(w.group(p, g)) + kPrefetchAhead;
+    for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    for (int h = 0; h < kHalves; ++h) {
+      VI dots[R];
+      w.template dots<R>(p, g, h, x, dots);
+      const VF ws = w.scales(p, g, h);
+      for (int r = 0; r < R; ++r) acc[h][r] = fmadd(cvt(dots[r]), mul(ws, setf(x.d[r][g])), acc[h][r]);
+      if constexpr (W::kHasMin) {
+        const VF wm = w.mins(p, g, h);
+        for (int r = 0; r < R; ++r) acc[h][r] = fmadd(wm, setf(x.s[r][g]), acc[h][r]);
       }
     }
-    for (int i = 0; i < kInner; ++i) {
-      const int64_t n0 = p * kPanel + (pass + i) * kLanes, valid = std::min<int64_t>(kLanes, N - n0);
-      for (int r = 0; r < R && valid > 0; ++r) {
-        alignas(64) float out[kLanes];
-        storef(out, acc[i][r]);
-        float* yr = y + (m0 + r) * N + n0;
-        for (int64_t j = 0; j < valid; ++j) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.f);
-      }
+  }
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t n0 = p * kPanel + h * kLanes, valid = std::min<int64_t>(kLanes, N - n0);
+    for (int r = 0; r < R && valid > 0; ++r) {
+      alignas(64) float out[kLanes];
+      storef(out, acc[h][r]);
+      float* yr = y + (m0 + r) * N + n0;
+      for (int64_t j = 0; j < valid; ++j) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.f);
     }
   }
 }
