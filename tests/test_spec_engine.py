@@ -9,6 +9,7 @@ from tiny_model import write_tiny_gguf
 
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
+from hetserve.layers.sampler import argmax
 from hetserve.spec.policy import POLICIES, DraftPolicy, PolicyConfig
 from hetserve.spec.proposer import VocabularyMismatch
 
@@ -378,7 +379,15 @@ def test_reduced_draft_vocabulary_scores_only_its_ids_and_keeps_output_exact(tin
     outside[ids] = False
     assert got.shape == want.shape and torch.equal(got[:, ids], want[:, ids])
     assert torch.all(got[:, outside] == float("-inf"))
+    # Greedy drafts are picked on the scored columns alone: the same tokens as over the full rows.
+    scored = draft.compute_logits(hidden, scored_only=True)
+    assert scored.shape == (3, len(ids)) and torch.equal(draft.full_logits(scored), got)
+    assert ids[argmax(scored)].tolist() == argmax(got).tolist()
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
+    # A penalty makes the draft score the whole vocabulary again; the output stays the target's.
+    penalized = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
+    assert (tokens(llm.generate(PROMPTS, penalized, use_tqdm=False))
+            == tokens(make(tiny_qwen2).generate(PROMPTS, penalized, use_tqdm=False)))
     stats = llm.engine.spec_stats()
     assert stats["rounds"] > 0 and stats["accepted"] > 0, stats
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)

@@ -41,6 +41,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def adjusts_logits(row: SamplingRow) -> bool:
+    """Whether apply_penalties changes anything for this row."""
+    p = row.params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or row.blocked_token_ids or row.allowed is not None)
+
+
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """Logit bias, penalties and blocked tokens, in place on one row: every path that picks a
     token (plain sampling, greedy and lossless verification, the draft) goes through here, so

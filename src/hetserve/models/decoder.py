@@ -343,11 +343,18 @@ class DecoderModel:
         self.logit_ids = ids
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, scored_only: bool = False) -> torch.Tensor:
+        """[rows, num_logits] logits (-inf for the ids restrict_logits left out); with
+        `scored_only`, just the scored ids' columns (in logit_ids order), for callers that map
+        them back themselves (see full_logits)."""
         with trace.span("lm_head", rows=hidden.shape[0]):
             logits = self.lm_head(hidden).float()
+        return logits if scored_only else self.full_logits(logits)
+
+    def full_logits(self, scored: torch.Tensor) -> torch.Tensor:
+        """compute_logits(..., scored_only=True)'s columns placed in full rows of num_logits."""
         if self.logit_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.num_logits), float("-inf"))
-        full[:, self.logit_ids] = logits
+            return scored
+        full = scored.new_full((*scored.shape[:-1], self.num_logits), float("-inf"))
+        full[..., self.logit_ids] = scored
         return full

@@ -22,7 +22,7 @@ from gguf import TokenType
 
 from .. import trace
 from ..layers.attention import AttentionMetadata
-from ..layers.sampler import SamplingRow, apply_penalties, argmax, distribution, draw
+from ..layers.sampler import SamplingRow, adjusts_logits, apply_penalties, argmax, distribution, draw
 from ..models.decoder import DecoderModel
 
 
@@ -101,7 +101,8 @@ class DraftProposer:
 
     def _forward(self, spans: list[tuple[object, int, list[int]]], logits: bool) -> torch.Tensor | None:
         """One batched draft forward: per request (req, first position, tokens from there).
-        Returns the logits at each request's last token, or None."""
+        Returns the logits at each request's last token over the draft's scored ids only
+        (model.full_logits places them in the whole vocabulary), or None."""
         ids, positions, qlens, clens, tables = [], [], [], [], []
         for req, start, toks in spans:
             ids.extend(toks)
@@ -119,7 +120,7 @@ class DraftProposer:
                 req.num_draft_computed = end
             if not logits:
                 return None
-            return self.model.compute_logits(hidden[torch.tensor(qlens, device=dev).cumsum(0) - 1])
+            return self.model.compute_logits(hidden[torch.tensor(qlens, device=dev).cumsum(0) - 1], scored_only=True)
 
     @torch.inference_mode()
     def prefill(self, batch: list[tuple[object, int]]) -> None:
@@ -139,6 +140,7 @@ class DraftProposer:
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in batch}
         # Round 0 catches up over every token the draft has not seen; later rounds feed one draft each.
         active = list(batch)
+        ids = self.model.logit_ids
         step = 0
         while active:
             t0 = time.perf_counter()
@@ -150,12 +152,19 @@ class DraftProposer:
                 prop = out[req.request_id]
                 row = row_for(req, prop.tokens)
                 ask = keep_drafting is not None and k > step + 1  # the last draft needs no test
-                if row.params.greedy:
-                    scores = apply_penalties(logits[i], row)
+                if row.params.greedy and not adjusts_logits(row):
+                    # On the scored ids alone: the ids left out are -inf, so the first maximum and
+                    # its probability are the same, without the logsumexp over the whole
+                    # vocabulary (0.4-0.6 ms a draft token, on a 12 ms draft step).
+                    at = int(argmax(logits[i]))
+                    token = at if ids is None else int(ids[at])
+                    p = float(torch.exp(logits[i, at] - torch.logsumexp(logits[i], -1))) if ask else 1.0
+                elif row.params.greedy:
+                    scores = apply_penalties(self.model.full_logits(logits[i]), row)
                     token = int(argmax(scores))
                     p = float(torch.exp(scores[token] - torch.logsumexp(scores, -1))) if ask else 1.0
                 else:
-                    q = distribution(logits[i], row)
+                    q = distribution(self.model.full_logits(logits[i]), row)
                     token = draw(q, req.generator)
                     p = float(q[token])
                     probs[req.request_id].append(q)
