@@ -100,6 +100,18 @@ def test_kernel_variants_give_the_same_bits(variant):
                 for passes in (1, 2):
                     assert torch.equal(getattr(ours, linear)(x, *args, n, b, passes),
                                        getattr(portable, linear)(x, *args, n, b, passes))
+    # Decode attention: rows of one sequence and of others, contexts of odd and even lengths,
+    # head sizes that take each values pass (D a multiple of 32, of 16 only, of 8 only).
+    for heads, kv_heads, d in [(14, 2, 64), (12, 2, 128), (8, 1, 48), (3, 3, 40), (16, 2, 32)]:
+        slots = 64 * 16
+        k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+        lens = torch.tensor([1, 2, 37, 38, 39, 600, 1001])
+        tables = torch.stack([torch.randperm(64) for _ in lens])
+        q = torch.randn(len(lens), heads, d)
+        outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
+        for mod, out in zip((ours, portable), outs):
+            mod.attend_rows(q, k_cache, v_cache, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
+        assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d)
     from test_weight_formats import file_format
 
     for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:

@@ -231,16 +231,21 @@ inline void prefetch_row(const float* row, int64_t D) {
 // Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
 // independent FMA chains sharing each key load (one chain per dot product was latency-bound).
 template <int J>
+inline void score_key(const float* q, const float* kt, int64_t D, float sc, float* p, int64_t n, int64_t t) {
+  __m256 acc[J];
+  for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < D; e += 8) {
+    const __m256 kv = _mm256_loadu_ps(kt + e);
+    for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + e), kv, acc[j]);
+  }
+  for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
+}
+
+template <int J>
 void head_scores(const float* q, const float* const* k, int64_t n, int64_t D, float sc, float* p) {
   for (int64_t t = 0; t < n; ++t) {
     if (t + kRowsAhead < n) prefetch_row(k[t + kRowsAhead], D);
-    __m256 acc[J];
-    for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < D; e += 8) {
-      const __m256 kv = _mm256_loadu_ps(k[t] + e);
-      for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + e), kv, acc[j]);
-    }
-    for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
+    score_key<J>(q, k[t], D, sc, p, n, t);
   }
 }
 
@@ -275,16 +280,85 @@ void head_values(const float* p, const float* const* v, int64_t n, int64_t D, fl
   }
 }
 
+#if defined(__AVX512F__)
+// The avx512 build's passes: 16 lanes a register, each lane the same FMA chain as in the AVX2
+// functions above (the same products, added in the same order, the same horizontal sums), so
+// the bits are the same and only the instruction count differs. Scores: two keys at a time, key
+// t in the low 8 lanes and t + 1 in the high 8, against the query broadcast to both halves.
+template <int J>
+void head_scores_wide(const float* q, const float* const* k, int64_t n, int64_t D, float sc, float* p) {
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    if (t + 1 + kRowsAhead < n) {
+      prefetch_row(k[t + kRowsAhead], D);
+      prefetch_row(k[t + 1 + kRowsAhead], D);
+    }
+    __m512 acc[J];
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 8) {
+      const __m512 kv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k[t] + e)),
+                                           _mm256_loadu_ps(k[t + 1] + e), 1);
+      for (int j = 0; j < J; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e)), kv, acc[j]);
+    }
+    for (int j = 0; j < J; ++j) {
+      p[j * n + t] = hsum(_mm512_castps512_ps256(acc[j])) * sc;
+      p[j * n + t + 1] = hsum(_mm512_extractf32x8_ps(acc[j], 1)) * sc;
+    }
+  }
+  if (t < n) score_key<J>(q, k[t], D, sc, p, n, t);
+}
+
+// Values: 32 floats of D at a time, each 16-lane register two of head_values' 8-lane vectors
+// (needs D a multiple of 32); 32 registers hold J = 8 heads' sums.
+template <int J>
+void head_values_wide(const float* p, const float* const* v, int64_t n, int64_t D, float* out) {
+  std::fill(out, out + J * D, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
+    const int64_t t1 = std::min(n, t0 + kValueChunk);
+    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(n, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+    for (int64_t e = 0; e < D; e += 32) {
+      __m512 acc[J][2];
+      for (int j = 0; j < J; ++j)
+        for (int b = 0; b < 2; ++b) acc[j][b] = _mm512_loadu_ps(out + j * D + e + 16 * b);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m512 v0 = _mm512_loadu_ps(v[t] + e), v1 = _mm512_loadu_ps(v[t] + e + 16);
+        for (int j = 0; j < J; ++j) {
+          const __m512 pj = _mm512_set1_ps(p[j * n + t]);
+          acc[j][0] = _mm512_fmadd_ps(pj, v0, acc[j][0]);
+          acc[j][1] = _mm512_fmadd_ps(pj, v1, acc[j][1]);
+        }
+      }
+      for (int j = 0; j < J; ++j)
+        for (int b = 0; b < 2; ++b) _mm512_storeu_ps(out + j * D + e + 16 * b, acc[j][b]);
+    }
+  }
+}
+#endif
+
 // The two passes for J = 1..8 heads at a time (a compile-time count of register chains).
 constexpr void (*kHeadScores[8])(const float*, const float* const*, int64_t, int64_t, float, float*) = {
+#if defined(__AVX512F__)
+    head_scores_wide<1>, head_scores_wide<2>, head_scores_wide<3>, head_scores_wide<4>,
+    head_scores_wide<5>, head_scores_wide<6>, head_scores_wide<7>, head_scores_wide<8>};
+#else
     head_scores<1>, head_scores<2>, head_scores<3>, head_scores<4>,
     head_scores<5>, head_scores<6>, head_scores<7>, head_scores<8>};
+#endif
 // EB = 2 where it fits (J <= 6, D a multiple of 16), else 1.
+// kHeadValues[1] where D is a multiple of kWideValues.
 constexpr void (*kHeadValues[2][8])(const float*, const float* const*, int64_t, int64_t, float*) = {
     {head_values<1, 1>, head_values<2, 1>, head_values<3, 1>, head_values<4, 1>,
      head_values<5, 1>, head_values<6, 1>, head_values<7, 1>, head_values<8, 1>},
+#if defined(__AVX512F__)
+    {head_values_wide<1>, head_values_wide<2>, head_values_wide<3>, head_values_wide<4>,
+     head_values_wide<5>, head_values_wide<6>, head_values_wide<7>, head_values_wide<8>}};
+constexpr int64_t kWideValues = 32;
+#else
     {head_values<1, 2>, head_values<2, 2>, head_values<3, 2>, head_values<4, 2>,
      head_values<5, 2>, head_values<6, 2>, head_values<7, 1>, head_values<8, 1>}};
+constexpr int64_t kWideValues = 16;
+#endif
 
 }  // namespace
 
@@ -351,7 +425,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         inv_sum[j] = 1.f / sum;
       }
       for (int64_t j0 = 0; j0 < g; j0 += 8)
-        kHeadValues[D % 16 == 0][std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D, acc.data() + j0 * D);
+        kHeadValues[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D, acc.data() + j0 * D);
       for (int64_t j = 0; j < g; ++j) {
         float* o = op + rp[r] * H * D + (h * g + j) * D;
         const __m256 iv = _mm256_set1_ps(inv_sum[j]);
