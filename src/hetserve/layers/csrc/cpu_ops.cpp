@@ -280,7 +280,7 @@ void head_values(const float* p, const float* const* v, int64_t n, int64_t D, fl
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 // The avx512 build's passes: 16 lanes a register, each lane the same FMA chain as in the AVX2
 // functions above (the same products, added in the same order, the same horizontal sums), so
 // the bits are the same and only the instruction count differs. Scores: two keys at a time, key
@@ -338,7 +338,7 @@ void head_values_wide(const float* p, const float* const* v, int64_t n, int64_t 
 
 // The two passes for J = 1..8 heads at a time (a compile-time count of register chains).
 constexpr void (*kHeadScores[8])(const float*, const float* const*, int64_t, int64_t, float, float*) = {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
     head_scores_wide<1>, head_scores_wide<2>, head_scores_wide<3>, head_scores_wide<4>,
     head_scores_wide<5>, head_scores_wide<6>, head_scores_wide<7>, head_scores_wide<8>};
 #else
@@ -350,7 +350,7 @@ constexpr void (*kHeadScores[8])(const float*, const float* const*, int64_t, int
 constexpr void (*kHeadValues[2][8])(const float*, const float* const*, int64_t, int64_t, float*) = {
     {head_values<1, 1>, head_values<2, 1>, head_values<3, 1>, head_values<4, 1>,
      head_values<5, 1>, head_values<6, 1>, head_values<7, 1>, head_values<8, 1>},
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
     {head_values_wide<1>, head_values_wide<2>, head_values_wide<3>, head_values_wide<4>,
      head_values_wide<5>, head_values_wide<6>, head_values_wide<7>, head_values_wide<8>}};
 constexpr int64_t kWideValues = 32;

@@ -404,7 +404,8 @@ struct Int6KWeights {
 // (the best single distance), q6_k streamed at 13-15 GB/s against int4's 17-19 and fell further
 // with each row; both prefetches brought q6_k to 18-20 GB/s and made the 1.5B's verification
 // steps of 2-4 rows 7-11% faster on a Sapphire Rapids class Xeon (1, 2, 4, 6 or 8 KiB into L1
-// alone, or 3-8 KiB into L2 alone, did worse; scratch benchmark over 0.7 GB of distinct weights per format).
+// alone, or 3-8 KiB into L2 alone, did worse; scratch benchmark over 0.7 GB of distinct weights
+// a format).
 // Prefetches never fault, so the last panels' reach past the end is harmless.
 constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 4096;
 
