@@ -182,3 +182,20 @@ def test_kernel_wins_up_to_counts_only_an_unbroken_run_of_wins():
     assert kernel_wins_up_to(rows) == 4  # 16 won again, past a loss: noise, not a crossover
     assert kernel_wins_up_to([{"rows": 1, "kernel_ms": 9, "gemm_ms": 5}]) == 0
     assert kernel_wins_up_to([{"rows": 1, "gemm_ms": 5}, {"rows": 2, "gemv_ms": 4, "gemm_ms": 5}]) == 2
+
+
+def test_bench_attention_times_the_native_decode_attention_cold_and_warm(tiny_qwen2, tmp_path):
+    """Per context length: microseconds a layer and the K/V bytes read, on the model's head shape."""
+    from hetserve.cli import main
+    from hetserve.layers.native import available
+
+    if not available():
+        pytest.skip("the native CPU kernels need AVX2, FMA and F16C")
+    out = tmp_path / "attention.json"
+    assert main(["bench", "attention", "--model", tiny_qwen2, "--contexts", "40,17", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["context"] for r in report["results"]] == [17, 40]
+    for r in report["results"]:
+        assert r["kv_bytes_per_layer"] == 2 * r["context"] * report["kv_heads"] * report["head_dim"] * 4
+        assert r["cold_us"] > 0 and r["warm_us"] > 0 and r["cold_min_us"] <= r["cold_us"]

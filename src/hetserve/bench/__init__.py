@@ -1,6 +1,7 @@
 """Benchmarks under `hetserve bench ...`; they use only public APIs (Python API, CLI, HTTP)."""
 
 from . import (
+               attention,
                disagg,
                kv_layout,
                latency,
@@ -17,4 +18,4 @@ from . import (
 )
 
 BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, load, tracing, routing, speculative,
-               weight_formats, disagg, structured)
+               weight_formats, disagg, structured, attention)

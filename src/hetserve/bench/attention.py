@@ -1,0 +1,97 @@
+"""`hetserve bench attention`: the native decode attention (one query row over its paged KV, as a
+decode step runs it) per layer, at each context length, with cold and warm caches.
+
+In a decode step every layer's K and V come from DRAM: the step's weights have streamed through
+the caches since that layer last ran. So the cold figure is the one a step pays: each layer has
+its own caches, and a buffer larger than the last-level cache is written between passes. Warm
+repeats one layer's call with its K and V in cache: what the arithmetic alone costs. Reported:
+microseconds a layer (median and minimum of --repeats) and the K and V bytes read over that time.
+The head shape comes from the model file (no weights are loaded); pages are consecutive, as the
+block pool hands them to one request.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+PAGE = 16
+FLUSH_BYTES = 512 << 20  # past every last-level cache seen here (one VM reports 480 MiB)
+
+
+def head_shape(model: str) -> dict:
+    from ..models import registry
+    from ..models.config import ModelConfig
+    from ..models.gguf_loader import GGUFFile
+
+    path = registry.resolve(model)
+    with GGUFFile(path) as f:
+        c = ModelConfig.from_gguf(str(path), f.metadata, f.tensors)
+    return {"layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+
+
+def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor | None) -> dict:
+    """Times of attend_rows over `n` tokens: cold (every layer's caches, `flush` written between
+    passes) and warm (layer 0's call repeated)."""
+    from ..layers.native import kernels
+
+    k = kernels()
+    H, KVH, D, L = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
+    pages = (n + PAGE - 1) // PAGE
+    gen = torch.Generator().manual_seed(n)
+    caches = [(torch.randn(pages * PAGE, KVH, D, generator=gen), torch.randn(pages * PAGE, KVH, D, generator=gen))
+              for _ in range(L)]
+    q, out = torch.randn(1, H, D, generator=gen), torch.empty(1, H * D)
+    meta = (torch.tensor([0]), torch.tensor([n]), torch.arange(pages).view(1, -1).contiguous(), PAGE, D ** -0.5)
+    cold, warm = [], []
+    for _ in range(repeats):
+        if flush is not None:
+            flush.add_(1)
+        t = time.perf_counter()
+        for kc, vc in caches:
+            k.attend_rows(q, kc, vc, out, *meta)
+        cold.append((time.perf_counter() - t) / L)
+    kc, vc = caches[0]
+    k.attend_rows(q, kc, vc, out, *meta)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        k.attend_rows(q, kc, vc, out, *meta)
+        warm.append(time.perf_counter() - t)
+    kv_bytes = 2 * n * KVH * D * 4
+    row = {"context": n, "kv_bytes_per_layer": kv_bytes}
+    for name, ts in (("cold", cold), ("warm", warm)):
+        row[f"{name}_us"] = round(statistics.median(ts) * 1e6, 1)
+        row[f"{name}_min_us"] = round(min(ts) * 1e6, 1)
+        row[f"{name}_gb_s"] = round(kv_bytes / statistics.median(ts) / 1e9, 1)
+    return row
+
+
+def main(args) -> int:
+    from ..layers.native import describe
+
+    shape = head_shape(args.model)
+    contexts = sorted({int(c) for c in args.contexts.split(",")})
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
+    rows = [measure(shape, n, args.repeats, flush) for n in contexts]
+    print(f"{args.model}: decode attention a layer ({shape['heads']} query heads, {shape['kv_heads']} KV heads of "
+          f"{shape['head_dim']}), {torch.get_num_threads()} threads, median of {args.repeats}\n{describe()}")
+    print(f"{'context':>8}{'cold us':>10}{'cold GB/s':>11}{'warm us':>10}{'warm GB/s':>11}")
+    for r in rows:
+        print(f"{r['context']:>8}{r['cold_us']:>10.1f}{r['cold_gb_s']:>11.1f}{r['warm_us']:>10.1f}{r['warm_gb_s']:>11.1f}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"benchmark": "attention", "model": args.model, **shape, "threads": torch.get_num_threads(),
+                       "repeats": args.repeats, "results": rows}, fh, indent=2)
+    return 0
+
+
+def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+    p = sub.add_parser("attention", help="native decode attention a layer by context length, cold and warm caches")
+    add_model_flag(p)
+    p.add_argument("--contexts", default="128,600,2000")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=main)
