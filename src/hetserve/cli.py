@@ -39,8 +39,9 @@ _ENGINE_HELP = {
                   "decode streams them); --no-huge-pages keeps 4 KiB pages",
     "native_layers": "CPU decode steps run the decoder's layers in one native call (the same kernels and bits); "
                      "--no-native-layers dispatches each op from Python, with per-op trace spans",
-    "prefill_format": "weights of steps past --quant-max-rows (prefill chunks): fp32, bf16, or auto (bf16 on CPUs "
-                      "with AMX-BF16 or AVX512-BF16 when the weights are quantized, else fp32)",
+    "prefill_format": "steps past --quant-max-rows (prefill chunks): fp32 or bf16 GEMM, kernel (the quantized "
+                      "kernels at every row count), or auto: with quantized weights, bf16 on AMX, kernel on "
+                      "AVX512-VNNI without AMX, bf16 on other AVX512-BF16 CPUs, else fp32",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
     "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",

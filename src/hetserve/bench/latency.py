@@ -4,7 +4,8 @@ Both engines get the same token ids (a fixed text tiled to --prompt-tokens), gre
 EOS ignored. Prefill tok/s = prompt tokens / time to first token; decode tok/s =
 (output tokens - 1) / (end-to-end time - time to first token). Medians of --runs. On a CPU,
 the limits measured right after (bench/limits.py): decode tok/s at the measured read bandwidth
-over the weight bytes a token reads, prefill tok/s at the measured GEMM rate of the prefill dtype.
+over the weight bytes a token reads, prefill tok/s at the measured GEMM rate of the unit prefill
+runs on (bf16 or fp32 GEMM; int8 GEMM where the quantized kernels run it).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
     res = _median_rates(samples, args.prompt_tokens, args.output_tokens)
     res["load_s"] = round(load_s, 2)
     if llm.model.device.type == "cpu":
-        res["limits"] = limits(llm.model, torch.bfloat16 if llm.config.prefill_format == "bf16" else torch.float32)
+        unit = {"bf16": torch.bfloat16, "kernel": torch.int8}.get(llm.config.prefill_format, torch.float32)
+        res["limits"] = limits(llm.model, unit)
     return res, ids, str(llm.path)
 
 
@@ -115,7 +117,7 @@ def main(args) -> int:
         print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s over {lim['decode_weight_bytes'] / 1e6:.0f} MB "
               f"of weights a token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s "
               f"({h['decode_tok_s'] / lim['decode_limit_tok_s']:.0%} reached); {lim['gemm_dtype'].split('.')[-1]} "
-              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} TFLOP/s -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
+              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} {'TOP' if 'int8' in lim['gemm_dtype'] else 'TFLOP'}/s -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
               f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:
         h, t = report["hetserve"], report["transformers"]

@@ -34,7 +34,12 @@ def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 5) -> float:
 
 
 def gemm_gflop_s(dtype: torch.dtype, m: int = 512, k: int = 1536, n: int = 8960, runs: int = 5) -> float:
-    """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix)."""
+    """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix).
+    int8: torch._int_mm (oneDNN's int8 x int8 -> int32 GEMM, VNNI or AMX-INT8): the rate of the
+    integer unit the quantized kernels run prefill on (`--prefill-format kernel`)."""
+    if dtype == torch.int8:
+        a, b = torch.randint(-128, 128, (m, k), dtype=dtype), torch.randint(-128, 128, (k, n), dtype=dtype)
+        return 2 * m * k * n / median_time(lambda: torch._int_mm(a, b), runs) / 1e9
     x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
     return 2 * m * k * n / median_time(lambda: torch.nn.functional.linear(x, w), runs) / 1e9
 
@@ -58,7 +63,8 @@ def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float) -> dict:
 
 
 def limits(model, prefill_dtype: torch.dtype) -> dict:
-    """Decode and prefill tok/s this machine allows the model now, with what they were computed from."""
+    """Decode and prefill tok/s this machine allows the model now, with what they were computed from
+    (prefill_dtype: the unit prefill runs on, torch.int8 for the quantized kernels)."""
     bandwidth, peak = read_bandwidth_gb_s(), gemm_gflop_s(prefill_dtype)
     return {"read_gb_s": round(bandwidth, 1), "gemm_gflop_s": round(peak, 1), "gemm_dtype": str(prefill_dtype),
             **tok_s_limits(model, bandwidth, peak)}

@@ -12,7 +12,9 @@ and for the whole step: ms per path at each row count, and the largest row count
 the kernel beats GEMM at every row count measured: the crossover for that format on this CPU.
 The engine's --quant-max-rows is one number for every format and also fixes which steps share
 decode's numerics (layers/prefill_formats.py says why it stays 32), so this reports, it does not
-change it.
+change it. Where the engine runs the kernels at every row count (`--prefill-format kernel`, the
+`auto` choice on AVX512-VNNI CPUs without AMX), the GEMM timed is the one the CPU would run
+otherwise (bf16 where it has native bf16, else fp32), which is what that choice rests on.
 """
 
 from __future__ import annotations
@@ -84,7 +86,16 @@ def main(args) -> int:
     from ..cli import engine_kwargs
     from ..llm import LLM
 
-    llm = LLM(model=args.model, **engine_kwargs(args))
+    from ..layers.prefill_formats import cpu_has_bf16_gemm, resolve_prefill_format
+    from ..layers.weight_formats import resolve_weight_format
+
+    kw = engine_kwargs(args)
+    engine_prefill = resolve_prefill_format(kw["prefill_format"], kw["device"],
+                                            resolve_weight_format(kw["weight_format"], kw["device"]),
+                                            torch.float32)
+    if engine_prefill == "kernel":  # keep a GEMM copy to time against
+        kw["prefill_format"] = "bf16" if cpu_has_bf16_gemm() else "fp32"
+    llm = LLM(model=args.model, **kw)
     model, cfg = llm.model, llm.config
     rows_list = sorted({int(m) for m in args.rows.split(",")})
     results = measure(model, rows_list, args.repeats, model.policy.activation_passes)
@@ -100,13 +111,16 @@ def main(args) -> int:
             print(f"{r['rows']:>6}" + "".join(f"{r[p + '_ms']:>12.2f}" if p + "_ms" in r else f"{'-':>12}"
                                              for p in paths) + f"  {r['best']}")
         print(f"  faster than GEMM up to {crossover[name]} rows (of those measured)")
-    print(f"\nengine now: --quant-max-rows {cfg.quant_max_rows}, --gemv-max-rows {cfg.gemv_max_rows}")
+    print(f"\nengine now: --prefill-format {engine_prefill}"
+          + (" (the kernels at every row count)" if engine_prefill == "kernel" else
+             f", --quant-max-rows {cfg.quant_max_rows}") + f", --gemv-max-rows {cfg.gemv_max_rows}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"benchmark": "matmul", "model": args.model, "weight_format": cfg.weight_format,
                        "gemm_dtype": gemm_dtype, "threads": torch.get_num_threads(), "results": results,
                        "faster_than_gemm_up_to": crossover,
-                       "quant_max_rows": cfg.quant_max_rows, "gemv_max_rows": cfg.gemv_max_rows}, fh, indent=2)
+                       "engine_prefill_format": engine_prefill, "quant_max_rows": cfg.quant_max_rows,
+                       "gemv_max_rows": cfg.gemv_max_rows}, fh, indent=2)
     return 0
 
 

@@ -42,7 +42,7 @@ class EngineConfig:
     activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
     huge_pages: bool = True  # CPU weights on transparent huge pages where the kernel offers them (Linux THP)
     native_layers: bool = True  # CPU decode steps run every layer in one native call (else op by op from Python)
-    prefill_format: str = "auto"  # GEMM of larger steps: fp32, bf16, auto (bf16 on AMX/AVX512-BF16 CPUs)
+    prefill_format: str = "auto"  # larger steps: fp32 or bf16 GEMM, kernel (the quantized kernels), auto (per CPU)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
     spec_policy: str = "fixed"  # or acceptance-rate, accepted-length, cost
@@ -75,8 +75,8 @@ class EngineConfig:
             if getattr(self, name) not in ("auto", "fp32", "int8", "int4", "gguf"):
                 raise ValueError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r} "
                                  "(auto, fp32, int8, int4, gguf)")
-        if self.prefill_format not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16)")
+        if self.prefill_format not in ("auto", "fp32", "bf16", "kernel"):
+            raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16, kernel)")
         if self.activation_rounding not in ("int8", "int8x2"):
             raise ValueError(f"activation_rounding must be int8 or int8x2, got {self.activation_rounding!r}")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:

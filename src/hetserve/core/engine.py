@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -68,7 +69,8 @@ class EngineCore:
         for m in (model, draft_model) if draft_model else (model,):
             m.policy.deterministic = config.deterministic
             m.policy.gemv_max_rows = config.gemv_max_rows
-            m.policy.quant_max_rows = config.quant_max_rows
+            # `kernel` prefill: every step runs the quantized weights (layers/prefill_formats.py).
+            m.policy.quant_max_rows = sys.maxsize if config.prefill_format == "kernel" else config.quant_max_rows
         # The draft keeps one pass: the target verifies every token it proposes.
         model.policy.activation_passes = 2 if config.activation_rounding == "int8x2" else 1
         self.pool = BlockPool(num_pages, config.page_size)

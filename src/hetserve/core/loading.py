@@ -52,8 +52,11 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     config.speculative_weight_format = resolve_weight_format(config.speculative_weight_format, device, auto="int4")
     config.prefill_format = resolve_prefill_format(config.prefill_format, device, config.weight_format, torch_dtype)
     if torch.device(device).type == "cpu":
-        log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
-                 config.quant_max_rows, config.prefill_format)
+        if config.prefill_format == "kernel":
+            log.info("%s; weights %s at every row count", native.describe(), config.weight_format)
+        else:
+            log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
+                     config.quant_max_rows, config.prefill_format)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         # Built on its own thread while the weights load (it holds the GIL for a second on a
@@ -85,6 +88,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
             model.use_fused_ops(layers=config.native_layers)
             if config.prefill_format == "bf16":
                 model.use_gemm_dtype(torch.bfloat16)
+            elif config.prefill_format == "kernel":
+                model.drop_gemm_weights()
             if arena is not None:
                 model.place_weights(arena.place)
     if arena is not None:

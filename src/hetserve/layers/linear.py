@@ -64,6 +64,16 @@ class Linear:
         self.weight = self.weight.to(dtype)
         self.lowp = True
 
+    def drop_weight(self) -> None:
+        """Keep only the quantized weights (`--prefill-format kernel`, which runs them at every row
+        count): the fp32 weight becomes a meta tensor of its shape."""
+        assert self.qweight is not None, "a linear without quantized weights needs its weight"
+        self.weight = torch.empty_like(self.weight, device="meta")
+
+    @property
+    def has_gemm_weight(self) -> bool:
+        return self.weight.device.type != "meta"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, policy: MatmulPolicy | None = None,
                  name: str = "linear"):
         self.weight = weight

@@ -1,15 +1,31 @@
-"""The weights of steps too large for the quantized kernels (prefill chunks): fp32 or bf16.
+"""How steps too large for the decode-sized row threshold (prefill chunks) run their linears:
+fp32 GEMM, bf16 GEMM, or the quantized kernels themselves (`kernel`).
 
-On a CPU with AMX-BF16 or AVX512-BF16, oneDNN runs bf16 GEMM several times faster than fp32
-GEMM (measured on a 2-core Sapphire Rapids, 512 x 896 x 4864: 1.7 TFLOP/s against 0.26); on a
-CPU without native bf16 it is far slower than fp32. So `auto` asks the CPU, at load, never the
-machine that built the package.
+The unit with the most multiply-adds per instruction wins those compute-bound steps, and which
+one that is depends on the CPU, so `auto` asks the CPU at load, never the machine that built the
+package:
+- AMX (a matrix unit): bf16 GEMM through oneDNN, several times fp32's rate (a 2-core Sapphire
+  Rapids, 512 x 896 x 4864: 1.7 TFLOP/s against 0.26). It overtakes the int8 kernels from about
+  64 rows (docs/benchmarks.md, the matmul table).
+- AVX512-VNNI without AMX (Zen 4, Ice Lake and the like): the quantized kernels for every row
+  count. vpdpbusd does 64 int8 multiply-adds an instruction against AVX512-BF16's 32 and fp32
+  FMA's 16, and the kernels read the file's own blocks: on a 2-core Zen 4 EPYC a 512-row step of
+  the 0.5B's linears took 826 ms against bf16 GEMM's 1087 (output head aside), and a 512-token
+  prefill ran 1.17x faster (docs/benchmarks.md).
+- AVX512-BF16 without either: bf16 GEMM; else fp32 GEMM. On AVX2 the kernels (vpmaddubsw, 32
+  multiply-adds but three more instructions to widen and add) and fp32 GEMM (8) came out even
+  at 256 rows, so GEMM stays.
+
+`kernel` leaves --quant-max-rows without effect: every step of a linear with quantized weights
+runs them, so prefill's linears give each row decode's bits (the kernels sum each output in one
+order whatever the row count), and the fp32 copies those linears kept for GEMM are dropped (2 GB
+for the 0.5B, 6 GB for the 1.5B).
 
 The steps whose GEMMs run bf16 also run their prefill chunks' attention in bf16 (models/decoder.py,
 layers/attention.py: SDPA 3x faster than fp32 at 512 tokens); decode-sized steps stay fp32.
 
-`auto` picks bf16 only where the weights already run quantized (int8/int4/gguf decode): a user who
-chose `--weight-format fp32` asked for exact fp32 everywhere.
+`auto` picks bf16 or kernel only where the weights already run quantized (int8/int4/gguf decode): a
+user who chose `--weight-format fp32` asked for exact fp32 everywhere.
 
 The row threshold between the quantized kernels and GEMM (`--quant-max-rows`) stays 32 with
 bf16: bf16 GEMM already overtakes the int8 kernel at 8-16 rows of the 0.5B's linears, but a
@@ -24,11 +40,11 @@ import logging
 
 import torch
 
-from .native import cpu_features
+from .native import NativeUnavailable, cpu_features, variant
 
 log = logging.getLogger(__name__)
 
-PREFILL_FORMATS = ("auto", "fp32", "bf16")
+PREFILL_FORMATS = ("auto", "fp32", "bf16", "kernel")
 
 
 def cpu_has_bf16_gemm() -> bool:
@@ -36,14 +52,30 @@ def cpu_has_bf16_gemm() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def kernels_beat_gemm() -> bool:
+    """Whether this CPU's quantized kernels out-multiply its GEMM at every row count: AVX512-VNNI
+    kernels (the `avx512` variant) where no AMX unit runs the GEMM."""
+    try:
+        return variant() == "avx512" and "amx_bf16" not in cpu_features()
+    except NativeUnavailable:
+        return False
+
+
 def resolve_prefill_format(fmt: str, device: str | torch.device, weight_format: str, dtype: torch.dtype) -> str:
-    """Map --prefill-format to what runs: bf16 only for fp32 activations on a CPU with native bf16."""
+    """Map --prefill-format to what runs: bf16 only for fp32 activations on a CPU with native bf16,
+    kernel only where the weights have quantized kernels."""
     if fmt not in PREFILL_FORMATS:
         raise ValueError(f"unknown prefill format {fmt!r}; choose one of {', '.join(PREFILL_FORMATS)}")
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return "fp32"  # the whole model already runs in the activation dtype there
+    quantized = weight_format in ("int8", "int4", "gguf")
     if fmt == "auto":
-        return "bf16" if weight_format in ("int8", "int4", "gguf") and cpu_has_bf16_gemm() else "fp32"
+        if not quantized:
+            return "fp32"
+        return "kernel" if kernels_beat_gemm() else "bf16" if cpu_has_bf16_gemm() else "fp32"
+    if fmt == "kernel" and not quantized:
+        log.warning("--prefill-format kernel: weights %s have no quantized kernels; using fp32 GEMM", weight_format)
+        return "fp32"
     if fmt == "bf16" and not cpu_has_bf16_gemm():
         log.warning("--prefill-format bf16: this CPU has neither AMX-BF16 nor AVX512-BF16; using fp32")
         return "fp32"

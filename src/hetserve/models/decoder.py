@@ -219,6 +219,14 @@ class DecoderModel:
             if lin is not self.lm_head and lin.qweight is not None:
                 lin.use_gemm_dtype(dtype)
 
+    def drop_gemm_weights(self) -> None:
+        """Free the fp32 copies of the linears that run their quantized weights at every row count
+        (`--prefill-format kernel`): each keeps a meta tensor of its shape, so a GEMM on it fails
+        loudly. The output head keeps its weight (the embedding's storage when tied)."""
+        for lin in self.linears():
+            if lin is not self.lm_head and lin.qweight is not None:
+                lin.drop_weight()
+
     def place_weights(self, place) -> None:
         """Move the weights decode streams (each linear's quantized copy, else its weight where it
         is not the tied embedding's) to place(tensor)'s copies (layers/huge_pages.py)."""
