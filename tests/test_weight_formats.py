@@ -364,7 +364,7 @@ def test_resolve_prefill_format(monkeypatch):
 
 def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2):
     """`--prefill-format kernel`: a 200-token prompt's chunks run the kernels (no GEMM: the fp32
-    copies are gone), and its prompt logprobs match those of the same prompt prefilled in chunks
+    copies are gone, the untied head's too), and its prompt logprobs match those of the same prompt prefilled in chunks
     of 7 (the linears give each row the same bits; the attention of 7-row chunks is the decode
     kernel's, of a 200-row chunk SDPA's)."""
     from hetserve import LLM, SamplingParams
@@ -374,7 +374,7 @@ def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2
     assert llm.config.prefill_format == "kernel"
     for lin in llm.model.linears():
         assert lin.qweight is not None and lin.quantized_at(10**6)
-        assert lin.has_gemm_weight == (lin is llm.model.lm_head)
+        assert not lin.has_gemm_weight  # the tiny qwen2's head is its own tensor (not tied)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     prompt = list(range(3, 203))
     whole = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -390,6 +390,20 @@ def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2
     # Measured: at most 0.008, mean 4e-5 (fp32 GEMM for the 200-row chunk against the kernels for
     # the 7-row ones: at most 0.2, mean 0.035, the int8 activations' rounding).
     assert max(diffs) < 0.03 and sum(diffs) / len(diffs) < 1e-3
+
+
+def test_kernel_prefill_keeps_a_tied_heads_weight(tiny_llama):
+    """A tied output head's weight is the embedding's storage: `kernel` drops every other copy."""
+    from hetserve import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama, weight_format="int8", prefill_format="kernel", kv_cache_memory="8MiB")
+    head = llm.model.lm_head
+    assert head.has_gemm_weight and head.weight.untyped_storage().data_ptr() == \
+        llm.model.embed.untyped_storage().data_ptr()
+    assert not any(lin.has_gemm_weight for lin in llm.model.linears() if lin is not head)
+    out = llm.generate([list(range(3, 60))], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
 
 
 def test_bf16_gemm_linear_keeps_fp32_activations():

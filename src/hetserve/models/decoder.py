@@ -222,9 +222,10 @@ class DecoderModel:
     def drop_gemm_weights(self) -> None:
         """Free the fp32 copies of the linears that run their quantized weights at every row count
         (`--prefill-format kernel`): each keeps a meta tensor of its shape, so a GEMM on it fails
-        loudly. The output head keeps its weight (the embedding's storage when tied)."""
+        loudly. A tied output head keeps its weight: that storage is the embedding's."""
+        embed = self.embed.untyped_storage().data_ptr()
         for lin in self.linears():
-            if lin is not self.lm_head and lin.qweight is not None:
+            if lin.qweight is not None and lin.weight.untyped_storage().data_ptr() != embed:
                 lin.drop_weight()
 
     def place_weights(self, place) -> None:
