@@ -364,9 +364,9 @@ def test_resolve_prefill_format(monkeypatch):
 
 def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2):
     """`--prefill-format kernel`: a 200-token prompt's chunks run the kernels (no GEMM: the fp32
-    copies are gone, the untied head's too), and its prompt logprobs match those of the same prompt prefilled in chunks
-    of 7 (the linears give each row the same bits; the attention of 7-row chunks is the decode
-    kernel's, of a 200-row chunk SDPA's)."""
+    copies are gone, the untied head's too), and its prompt logprobs match those of the same
+    prompt prefilled in chunks of 7 (the linears give each row the same bits; the attention of
+    7-row chunks is the decode kernel's, of a 200-row chunk SDPA's)."""
     from hetserve import LLM, SamplingParams
 
     llm = LLM(model=tiny_qwen2, weight_format="int8", prefill_format="kernel", kv_cache_memory="8MiB",

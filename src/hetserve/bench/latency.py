@@ -114,10 +114,11 @@ def main(args) -> int:
               f"{r['e2e_s']:>9.2f}{r['load_s']:>9.1f}")
     if "limits" in report["hetserve"]:
         h, lim = report["hetserve"], report["hetserve"]["limits"]
+        rate = "TOP/s" if "int8" in lim["gemm_dtype"] else "TFLOP/s"
         print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s over {lim['decode_weight_bytes'] / 1e6:.0f} MB "
               f"of weights a token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s "
               f"({h['decode_tok_s'] / lim['decode_limit_tok_s']:.0%} reached); {lim['gemm_dtype'].split('.')[-1]} "
-              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} {'TOP' if 'int8' in lim['gemm_dtype'] else 'TFLOP'}/s -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
+              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} {rate} -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
               f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:
         h, t = report["hetserve"], report["transformers"]

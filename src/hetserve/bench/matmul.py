@@ -86,7 +86,7 @@ def main(args) -> int:
     from ..cli import engine_kwargs
     from ..llm import LLM
 
-    from ..layers.prefill_formats import cpu_has_bf16_gemm, resolve_prefill_format
+    from ..layers.prefill_formats import gemm_format, resolve_prefill_format
     from ..layers.weight_formats import resolve_weight_format
 
     kw = engine_kwargs(args)
@@ -94,7 +94,7 @@ def main(args) -> int:
                                             resolve_weight_format(kw["weight_format"], kw["device"]),
                                             torch.float32)
     if engine_prefill == "kernel":  # keep a GEMM copy to time against
-        kw["prefill_format"] = "bf16" if cpu_has_bf16_gemm() else "fp32"
+        kw["prefill_format"] = gemm_format()
     llm = LLM(model=args.model, **kw)
     model, cfg = llm.model, llm.config
     rows_list = sorted({int(m) for m in args.rows.split(",")})

@@ -54,6 +54,11 @@ def cpu_has_bf16_gemm() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def gemm_format() -> str:
+    """The GEMM this CPU runs prefill-sized steps in: bf16 where it has native bf16, else fp32."""
+    return "bf16" if cpu_has_bf16_gemm() else "fp32"
+
+
 def kernels_beat_gemm() -> bool:
     """Whether this CPU's quantized kernels out-multiply its GEMM at every row count: AVX512-VNNI
     kernels (the `avx512` variant) where no AMX unit runs the GEMM."""
@@ -74,7 +79,7 @@ def resolve_prefill_format(fmt: str, device: str | torch.device, weight_format: 
     if fmt == "auto":
         if not quantized:
             return "fp32"
-        return "kernel" if kernels_beat_gemm() else "bf16" if cpu_has_bf16_gemm() else "fp32"
+        return "kernel" if kernels_beat_gemm() else gemm_format()
     if fmt == "kernel" and not quantized:
         log.warning("--prefill-format kernel: weights %s have no quantized kernels; using fp32 GEMM", weight_format)
         return "fp32"

@@ -223,9 +223,8 @@ class DecoderModel:
         """Free the fp32 copies of the linears that run their quantized weights at every row count
         (`--prefill-format kernel`): each keeps a meta tensor of its shape, so a GEMM on it fails
         loudly. A tied output head keeps its weight: that storage is the embedding's."""
-        embed = self.embed.untyped_storage().data_ptr()
         for lin in self.linears():
-            if lin.qweight is not None and lin.weight.untyped_storage().data_ptr() != embed:
+            if lin.qweight is not None and not self._ties_embedding(lin):
                 lin.drop_weight()
 
     def place_weights(self, place) -> None:
@@ -235,8 +234,12 @@ class DecoderModel:
         for lin in self.linears():
             if lin.qweight is not None:
                 lin.qweight = lin.qweight.moved(place)
-            elif lin.weight.untyped_storage().data_ptr() != self.embed.untyped_storage().data_ptr():
+            elif not self._ties_embedding(lin):
                 lin.weight = place(lin.weight)
+
+    def _ties_embedding(self, lin: Linear) -> bool:
+        """Whether the linear's weight is the embedding's storage (a tied output head)."""
+        return lin.weight.untyped_storage().data_ptr() == self.embed.untyped_storage().data_ptr()
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config

@@ -232,12 +232,10 @@ constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass ove
 // and deletes its calls (a separate prefetch_ahead lost every prefetch of the scores' pass).
 #define HS_PREFETCH __attribute__((always_inline)) inline
 
+// A row of D floats asked for into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T0>
 HS_PREFETCH void prefetch_row(const float* row, int64_t D) {
-  for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(row + l), _MM_HINT_T0);
-}
-
-HS_PREFETCH void prefetch_row_l2(const float* row, int64_t D) {
-  for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(row + l), _MM_HINT_T1);
+  for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(row + l), Hint);
 }
 
 // The scores' requests for token t's rows: K at t + kRowsAhead into L1, K and V at t + kFarAhead
@@ -245,8 +243,8 @@ HS_PREFETCH void prefetch_row_l2(const float* row, int64_t D) {
 HS_PREFETCH void prefetch_ahead(const float* const* k, const float* const* v, int64_t t, int64_t n, int64_t D) {
   if (t + kRowsAhead < n) prefetch_row(k[t + kRowsAhead], D);
   if (t + kFarAhead < n) {
-    prefetch_row_l2(k[t + kFarAhead], D);
-    prefetch_row_l2(v[t + kFarAhead], D);
+    prefetch_row<_MM_HINT_T1>(k[t + kFarAhead], D);
+    prefetch_row<_MM_HINT_T1>(v[t + kFarAhead], D);
   }
 }
 
