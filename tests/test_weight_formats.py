@@ -211,6 +211,33 @@ def test_file_format_kernels_are_batch_invariant(fmt):
     assert torch.equal(qw.matmul(x[3:9], None), full[3:9])
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q5_0", "q6_k"])
+def test_kernels_give_the_same_bits_whichever_thread_takes_a_panel(fmt):
+    """Threads share a kernel's panels (each walks its own range, a thread done early takes panels
+    from the back of another's): every thread count, and 5 threads on this machine's few cores,
+    where descheduled threads have their panels taken, give the one-thread result bit for bit,
+    every output computed (an odd panel count, with a partial last panel)."""
+    n, k = 16 * 37 + 5, 512
+    if fmt in ("q5_0", "q6_k"):
+        qw, _, _ = file_format(fmt, n, k, seed=4)
+    else:
+        torch.manual_seed(4)
+        qw = quantize(torch.randn(n, k), fmt)
+    torch.manual_seed(2)
+    xs = [torch.randn(m, k) for m in (1, 3, 7)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [qw.matmul(x, None) for x in xs]
+        for threads, repeats in ((2, 5), (3, 5), (5, 40)):
+            torch.set_num_threads(threads)
+            for _ in range(repeats):
+                for x, y in zip(xs, alone):
+                    assert torch.equal(qw.matmul(x, None), y)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stacked_formats_run_side_by_side():
     """A fused linear whose row blocks hold different formats gives each block's own product."""
     from hetserve.layers.weight_formats import StackedWeight, stack

@@ -36,6 +36,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -455,6 +456,50 @@ void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64
   }
 }
 
+// Panels 0 .. n - 1 shared among the threads: each starts on its own contiguous range and walks
+// it front to back (one sequential stream of weights, as the hardware prefetchers want); a
+// thread done with its range takes runs of kSteal panels from the back of another's. With fixed
+// halves the thread that finished first waited at every kernel's end: on a 2-vCPU KVM guest,
+// whose vCPUs run unevenly, 10-20% of each thread's time in a decode step went to that wait.
+// Which thread computes a panel never changes its bits (a panel's sums are its own).
+constexpr int64_t kSteal = 4;
+
+// A range's front (low 32 bits) and back (high 32): the owner moves the front, thieves the back.
+struct alignas(64) PanelRange {
+  std::atomic<uint64_t> ends;
+};
+
+inline uint64_t pack(uint64_t front, uint64_t back) { return front | (back << 32); }
+
+// Claims up to `count` panels from the front (or back) of r; false when it is empty.
+inline bool claim(PanelRange& r, int64_t count, bool from_back, int64_t* p0, int64_t* p1) {
+  uint64_t v = r.ends.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t front = v & 0xFFFFFFFFu, back = v >> 32;
+    if (front >= back) return false;
+    *p0 = from_back ? std::max(front, back - count) : front;
+    *p1 = from_back ? back : std::min(back, front + count);
+    const uint64_t next = from_back ? pack(front, *p0) : pack(*p1, back);
+    if (r.ends.compare_exchange_weak(v, next, std::memory_order_relaxed)) return true;
+  }
+}
+
+template <class F>
+void parallel_panels(int64_t n, const F& fn) {
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
+  if (T <= 1 || at::in_parallel_region()) return fn(0, n);
+  std::vector<PanelRange> ranges(T);
+  for (int64_t t = 0; t < T; ++t) ranges[t].ends.store(pack(n * t / T, n * (t + 1) / T));
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    int64_t p0, p1;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (claim(ranges[t], 1, false, &p0, &p1)) fn(p0, p1);
+      for (int64_t v = 1; v < T; ++v)
+        while (claim(ranges[(t + v) % T], kSteal, true, &p0, &p1)) fn(p0, p1);
+    }
+  });
+}
+
 // With 2 passes each row runs as its two quantized rows (one weight load serves both, as any
 // rows of a tile), and their outputs are added, then the bias: in the same order for every row.
 template <class W>
@@ -469,7 +514,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   float* yp = y.data_ptr<float>();
   // Panels in order (one sequential stream of weights); a panel is read from memory once, for
   // its first tile of rows, and stays in cache for the others.
-  at::parallel_for(0, num_panels(N), 2, [&](int64_t p0, int64_t p1) {
+  parallel_panels(num_panels(N), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       int64_t m = 0;
       for (; m + kMaxRows <= M; m += kMaxRows) tile<kMaxRows>(w, xq, m, p, N, bp, yp);
