@@ -458,11 +458,13 @@ void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64
 
 // Panels 0 .. n - 1 shared among the threads: each starts on its own contiguous range and walks
 // it front to back (one sequential stream of weights, as the hardware prefetchers want); a
-// thread done with its range takes runs of kSteal panels from the back of another's. With fixed
-// halves the thread that finished first waited at every kernel's end: on a 2-vCPU KVM guest,
-// whose vCPUs run unevenly, 10-20% of each thread's time in a decode step went to that wait.
+// thread done with its range takes panels from the back of another's. With fixed halves the
+// thread that finished first waited at every kernel's end: on a 2-vCPU KVM guest, whose vCPUs
+// run unevenly, 10-20% of each thread's time in a decode step went to that wait. Panels are
+// claimed kClaim at a time (one compare-exchange each): claiming them one by one cost the 0.5B's
+// small matrices (70 panels a thread) about 3% of a decode step.
 // Which thread computes a panel never changes its bits (a panel's sums are its own).
-constexpr int64_t kSteal = 4;
+constexpr int64_t kClaim = 4;
 
 // A range's front (low 32 bits) and back (high 32): the owner moves the front, thieves the back.
 struct alignas(64) PanelRange {
@@ -493,9 +495,9 @@ void parallel_panels(int64_t n, const F& fn) {
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     int64_t p0, p1;
     for (int64_t t = t0; t < t1; ++t) {
-      while (claim(ranges[t], 1, false, &p0, &p1)) fn(p0, p1);
+      while (claim(ranges[t], kClaim, false, &p0, &p1)) fn(p0, p1);
       for (int64_t v = 1; v < T; ++v)
-        while (claim(ranges[(t + v) % T], kSteal, true, &p0, &p1)) fn(p0, p1);
+        while (claim(ranges[(t + v) % T], kClaim, true, &p0, &p1)) fn(p0, p1);
     }
   });
 }
