@@ -419,6 +419,37 @@ def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2
     assert max(diffs) < 0.03 and sum(diffs) / len(diffs) < 1e-3
 
 
+def _weight_tensors(qw) -> list[torch.Tensor]:
+    parts = qw.parts if hasattr(qw, "parts") else [qw]
+    return [t for p in parts for t in (p.q, p.scale, p.min) if t is not None]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "gguf"])
+def test_a_model_loaded_without_fp32_copies_gets_the_same_weights(tiny_qwen2, fmt):
+    """from_gguf(gemm_weights=False), kernel prefill's load: no linear holds an fp32 weight, and
+    quantize_weights builds the same quantized weights, bit for bit, as from the fp32 model (the
+    tiny model's F32, F16 and Q8_0 tensors: int4 and gguf quantize some from fp32, one tensor at
+    a time); a restricted head takes its rows from the file; fp32 linears load their weights."""
+    from hetserve.models.decoder import DecoderModel
+
+    eager, lazy = DecoderModel.from_gguf(tiny_qwen2), DecoderModel.from_gguf(tiny_qwen2, gemm_weights=False)
+    assert not any(lin.has_gemm_weight for lin in lazy.linears())  # the tiny qwen2's head is untied
+    assert [lin.weight.shape for lin in lazy.linears()] == [lin.weight.shape for lin in eager.linears()]
+    ids = torch.tensor([0, 5, 17, 90])
+    for model in (eager, lazy):
+        model.restrict_logits(ids)
+        model.quantize_weights(fmt)
+    assert torch.equal(lazy.lm_head.weight, eager.lm_head.weight)
+    for a, b in zip(eager.linears(), lazy.linears()):
+        assert a.qweight.fmt == b.qweight.fmt
+        assert all(torch.equal(x, y) for x, y in zip(_weight_tensors(a.qweight), _weight_tensors(b.qweight)))
+        assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
+    exact = DecoderModel.from_gguf(tiny_qwen2, gemm_weights=False)
+    exact.quantize_weights("fp32")
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(DecoderModel.from_gguf(tiny_qwen2).linears(),
+                                                              exact.linears()))
+
+
 def test_kernel_prefill_keeps_a_tied_heads_weight(tiny_llama):
     """A tied output head's weight is the embedding's storage: `kernel` drops every other copy."""
     from hetserve import LLM, SamplingParams

@@ -57,13 +57,16 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         else:
             log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
                      config.quant_max_rows, config.prefill_format)
+    # Kernel prefill runs only the quantized weights: they are built from the file's blocks and
+    # the fp32 copies are never loaded (DecoderModel.from_gguf).
+    gemm_weights = config.prefill_format != "kernel"
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         # Built on its own thread while the weights load (it holds the GIL for a second on a
         # 152k vocabulary, so it must be done before requests decode).
         grammars = GrammarCompiler(tokenizer.to_json(), _logit_rows(f), tokenizer.stop_token_ids)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
-        decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f)
+        decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f, gemm_weights=gemm_weights)
     draft = None
     if config.speculative_model:
         draft_path = registry.resolve(config.speculative_model)
@@ -73,7 +76,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
             draft_types = [int(t) for t in f.metadata.get("tokenizer.ggml.token_type") or [1] * len(draft_tokens)]
             check_same_vocab(target_tokens, draft_tokens, len(target_tokens), len(draft_tokens),
                              config.speculative_model)
-            draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f)
+            draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f,
+                                           gemm_weights=gemm_weights)
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)

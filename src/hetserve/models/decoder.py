@@ -79,10 +79,17 @@ _FROM_BLOCKS = {
 }
 
 
+def _load_rows(f: GGUFFile, name: str, heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One source tensor of a linear, dequantized (and un-permuted where `heads`)."""
+    w = f.load_tensor(name).to(device=device, dtype=dtype)
+    return _unpermute_qk(w, heads) if heads else w
+
+
 def _quantized(f: GGUFFile | None, lin: Linear, fmt: str) -> QuantizedWeight | StackedWeight:
     """The linear's weight in `fmt`, each source tensor's rows built from the file's own blocks
     where a kernel format holds them (`_exact_format`) and quantized from fp32 where none does
-    (gguf: to int8), or all of it quantized where the linear keeps only some of its sources' rows."""
+    (gguf: to int8; a weight loaded without its fp32 copy dequantizes just that tensor then),
+    or all of it quantized where the linear keeps only some of its sources' rows."""
     fallback = "int8" if fmt == "gguf" else fmt
     infos = [f.tensors[n] for n, _ in lin.source] if f is not None else []
     if not infos or sum(i.shape[0] for i in infos) != lin.weight.shape[0] or \
@@ -91,7 +98,9 @@ def _quantized(f: GGUFFile | None, lin: Linear, fmt: str) -> QuantizedWeight | S
     parts, row = [], 0
     for (name, heads), info in zip(lin.source, infos):
         target = _exact_format(fmt, info.qtype)
-        if target is None:
+        if target is None and not lin.has_gemm_weight:
+            parts.append(quantize(_load_rows(f, name, heads, torch.float32, torch.device("cpu")), fallback))
+        elif target is None:
             parts.append(quantize(lin.weight[row:row + info.shape[0]], fallback))
         else:
             decode, build = _FROM_BLOCKS[target]
@@ -129,7 +138,11 @@ class DecoderModel:
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  gguf_file: GGUFFile | None = None) -> "DecoderModel":
+                  gguf_file: GGUFFile | None = None, gemm_weights: bool = True) -> "DecoderModel":
+        """gemm_weights=False: the linears' weights are meta tensors of their shape, not fp32
+        copies, for a model that will run only its quantized weights (`--prefill-format kernel`):
+        quantize_weights then builds them from the file's blocks, one tensor at a time, and the
+        load never holds the fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual."""
         t0 = time.perf_counter()
         f = gguf_file or GGUFFile(path)
         cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
@@ -141,25 +154,26 @@ class DecoderModel:
                 raise ModelConfigError(f"{path}: missing tensor {name!r}")
             return f.load_tensor(name).to(device=device, dtype=dtype)
 
-        def weight(name: str, bias: bool = False, unpermute: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-            w = t(name + ".weight")
-            b = t(name + ".bias") if bias else None
-            if unpermute:
-                w = _unpermute_qk(w, unpermute)
-                b = None if b is None else _unpermute_qk(b, unpermute)
-            return w, b
+        def weight(name: str, heads: int) -> torch.Tensor:
+            if name not in f.tensors:
+                raise ModelConfigError(f"{path}: missing tensor {name!r}")
+            if gemm_weights:
+                return _load_rows(f, name, heads, dtype, device)
+            return torch.empty(f.tensors[name].shape, dtype=dtype, device="meta")
+
+        def bias(name: str, heads: int) -> torch.Tensor:
+            b = t(name)
+            return _unpermute_qk(b, heads) if heads else b
+
+        def linear(specs: list[tuple[str, int]], name: str, biased: bool = False) -> Linear:
+            ws = [weight(n + ".weight", heads) for n, heads in specs]
+            b = torch.cat([bias(n + ".bias", heads) for n, heads in specs]) if biased else None
+            out = Linear((ws[0] if len(ws) == 1 else torch.cat(ws)).contiguous(), b, policy, name=name)
+            out.source = tuple((n + ".weight", heads) for n, heads in specs)
+            return out
 
         def lin(name: str) -> Linear:
-            out = Linear(weight(name)[0].contiguous(), None, policy, name=_SHORT_NAMES[name.split(".")[-1]])
-            out.source = ((name + ".weight", 0),)
-            return out
-
-        def fused(specs: list[tuple[str, bool, int]], name: str) -> Linear:
-            parts = [weight(*spec) for spec in specs]
-            bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])
-            out = Linear(torch.cat([w for w, _ in parts]).contiguous(), bias, policy, name=name)
-            out.source = tuple((n + ".weight", heads) for n, _, heads in specs)
-            return out
+            return linear([(name, 0)], _SHORT_NAMES[name.split(".")[-1]])
 
         llama = cfg.arch == "llama"
         layers = []
@@ -168,12 +182,12 @@ class DecoderModel:
             layers.append(
                 DecoderLayer(
                     attn_norm=t(p + "attn_norm.weight"),
-                    qkv=fused([(p + "attn_q", cfg.attention_bias, cfg.num_heads if llama else 0),
-                               (p + "attn_k", cfg.attention_bias, cfg.num_kv_heads if llama else 0),
-                               (p + "attn_v", cfg.attention_bias, 0)], "qkv"),
+                    qkv=linear([(p + "attn_q", cfg.num_heads if llama else 0),
+                                (p + "attn_k", cfg.num_kv_heads if llama else 0), (p + "attn_v", 0)], "qkv",
+                               biased=cfg.attention_bias),
                     o=lin(p + "attn_output"),
                     mlp_norm=t(p + "ffn_norm.weight"),
-                    gate_up=fused([(p + "ffn_gate", False, 0), (p + "ffn_up", False, 0)], "gate_up"),
+                    gate_up=linear([(p + "ffn_gate", 0), (p + "ffn_up", 0)], "gate_up"),
                     down=lin(p + "ffn_down"),
                 )
             )
@@ -198,17 +212,23 @@ class DecoderModel:
         exactness); returns the bytes added. Linears whose width is not a multiple of the
         format's group stay fp32. Each source tensor's blocks are taken as the file holds them where
         the format can (`_exact_format`; `gguf` picks the kernel format per tensor, so Q4_0/Q4_K,
-        Q5_0, Q6_K and Q8_0 all run as stored), other types are quantized from fp32."""
+        Q5_0, Q6_K and Q8_0 all run as stored), other types are quantized from fp32. A linear
+        loaded without its fp32 copy (from_gguf's gemm_weights=False) that stays fp32 loads it here."""
         added = 0
         self._native_plan = None
-        if fmt == "fp32":
-            return added
-        with GGUFFile(self.path) if self.path and self.device.type == "cpu" else nullcontext() as gguf:
+        lazy = any(not lin.has_gemm_weight for lin in self.linears())
+        with GGUFFile(self.path) if self.path and (self.device.type == "cpu" or lazy) else nullcontext() as gguf:
             for lin in self.linears():
-                if lin.weight.shape[1] % GROUP == 0:
+                if fmt != "fp32" and lin.weight.shape[1] % GROUP == 0:
                     lin.qweight = _quantized(gguf, lin, fmt)
                     added += lin.qweight.nbytes
+                elif not lin.has_gemm_weight:  # loaded without its fp32 copy, which it runs after all
+                    lin.weight = self._file_weight(gguf, lin)
         return added
+
+    def _file_weight(self, f: GGUFFile, lin: Linear) -> torch.Tensor:
+        """A linear's weight as from_gguf loads it: its source tensors dequantized, stacked."""
+        return torch.cat([_load_rows(f, n, heads, self.dtype, self.device) for n, heads in lin.source]).contiguous()
 
     def use_gemm_dtype(self, dtype: torch.dtype) -> None:
         """Large steps' GEMM in `dtype` (bf16 on CPUs with matrix units), for the linears that
@@ -350,7 +370,11 @@ class DecoderModel:
         The output layer keeps a copy of just those rows; call before quantize_weights."""
         ids = ids.to(self.device)
         head = self.lm_head
-        self.lm_head = Linear(head.weight[ids].contiguous(), None if head.bias is None else head.bias[ids],
+        weight = head.weight
+        if not head.has_gemm_weight:  # loaded without fp32 copies: these rows come from the file
+            with GGUFFile(self.path) as f:
+                weight = self._file_weight(f, head)
+        self.lm_head = Linear(weight[ids].contiguous(), None if head.bias is None else head.bias[ids],
                               self.policy, name=head.name)
         self.logit_ids = ids
 
