@@ -426,10 +426,11 @@ def _weight_tensors(qw) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "gguf"])
 def test_a_model_loaded_without_fp32_copies_gets_the_same_weights(tiny_qwen2, fmt):
-    """from_gguf(gemm_weights=False), kernel prefill's load: no linear holds an fp32 weight, and
+    """from_gguf(gemm_weights=False), the load of kernel and bf16 prefill: no linear holds an fp32 weight, and
     quantize_weights builds the same quantized weights, bit for bit, as from the fp32 model (the
     tiny model's F32, F16 and Q8_0 tensors: int4 and gguf quantize some from fp32, one tensor at
-    a time); a restricted head takes its rows from the file; fp32 linears load their weights."""
+    a time); a restricted head takes its rows from the file; bf16 prefill's GEMM copies are the
+    same; fp32 linears load their weights."""
     from hetserve.models.decoder import DecoderModel
 
     eager, lazy = DecoderModel.from_gguf(tiny_qwen2), DecoderModel.from_gguf(tiny_qwen2, gemm_weights=False)
@@ -444,6 +445,13 @@ def test_a_model_loaded_without_fp32_copies_gets_the_same_weights(tiny_qwen2, fm
         assert a.qweight.fmt == b.qweight.fmt
         assert all(torch.equal(x, y) for x, y in zip(_weight_tensors(a.qweight), _weight_tensors(b.qweight)))
         assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
+    # bf16 prefill loads each GEMM copy from the file as it converts it: the same bf16 weights,
+    # and the head's fp32 rows.
+    for model in (eager, lazy):
+        model.use_gemm_dtype(torch.bfloat16)
+    for a, b in zip(eager.linears(), lazy.linears()):
+        assert a.lowp == b.lowp and a.weight.dtype == b.weight.dtype and torch.equal(a.weight, b.weight)
+    assert lazy.layers[0].qkv.weight.dtype == torch.bfloat16 and lazy.lm_head.weight.dtype == torch.float32
     exact = DecoderModel.from_gguf(tiny_qwen2, gemm_weights=False)
     exact.quantize_weights("fp32")
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(DecoderModel.from_gguf(tiny_qwen2).linears(),

@@ -57,9 +57,9 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         else:
             log.info("%s; weights %s up to %d rows, %s GEMM above", native.describe(), config.weight_format,
                      config.quant_max_rows, config.prefill_format)
-    # Kernel prefill runs only the quantized weights: they are built from the file's blocks and
-    # the fp32 copies are never loaded (DecoderModel.from_gguf).
-    gemm_weights = config.prefill_format != "kernel"
+    # The quantized weights are built from the file's blocks; kernel prefill never loads the fp32
+    # copies, bf16 prefill loads each as its bf16 copy is made (DecoderModel.from_gguf).
+    gemm_weights = config.prefill_format not in ("kernel", "bf16")
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         # Built on its own thread while the weights load (it holds the GIL for a second on a

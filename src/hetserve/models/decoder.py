@@ -140,9 +140,10 @@ class DecoderModel:
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                   gguf_file: GGUFFile | None = None, gemm_weights: bool = True) -> "DecoderModel":
         """gemm_weights=False: the linears' weights are meta tensors of their shape, not fp32
-        copies, for a model that will run only its quantized weights (`--prefill-format kernel`):
-        quantize_weights then builds them from the file's blocks, one tensor at a time, and the
-        load never holds the fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual."""
+        copies, for a model whose linears get quantized weights: quantize_weights then builds them
+        from the file's blocks, and the GEMM copies a prefill format wants load later, one linear
+        at a time (use_gemm_dtype), or never (`--prefill-format kernel`): the load never holds the
+        fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual."""
         t0 = time.perf_counter()
         f = gguf_file or GGUFFile(path)
         cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
@@ -234,10 +235,16 @@ class DecoderModel:
         """Large steps' GEMM in `dtype` (bf16 on CPUs with matrix units), for the linears that
         have quantized weights for small steps: their fp32 copy is then replaced, not kept beside
         it. The output head stays as it is (it shares the embedding's storage when tied, and
-        prefill runs it on the last row of each sequence only)."""
-        for lin in self.linears():
-            if lin is not self.lm_head and lin.qweight is not None:
-                lin.use_gemm_dtype(dtype)
+        prefill runs it on the last row of each sequence only). A model loaded without its fp32
+        copies (from_gguf's gemm_weights=False) loads them here one linear at a time, each
+        converted before the next loads, so the fp32 model is never held whole."""
+        lazy = any(not lin.has_gemm_weight for lin in self.linears())
+        with GGUFFile(self.path) if lazy else nullcontext() as f:
+            for lin in self.linears():
+                if not lin.has_gemm_weight:
+                    lin.weight = self._file_weight(f, lin)
+                if lin is not self.lm_head and lin.qweight is not None:
+                    lin.use_gemm_dtype(dtype)
 
     def drop_gemm_weights(self) -> None:
         """Free the fp32 copies of the linears that run their quantized weights at every row count
