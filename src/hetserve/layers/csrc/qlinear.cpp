@@ -461,8 +461,8 @@ void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64
 // thread done with its range takes panels from the back of another's. With fixed halves the
 // thread that finished first waited at every kernel's end: on a 2-vCPU KVM guest, whose vCPUs
 // run unevenly, 10-20% of each thread's time in a decode step went to that wait. Panels are
-// claimed kClaim at a time (one compare-exchange each): claiming them one by one cost the 0.5B's
-// small matrices (70 panels a thread) about 3% of a decode step.
+// claimed kClaim at a time (one compare-exchange each): claimed one by one, the 0.5B's small
+// matrices (70 panels a thread) made its decode layers 3% slower than with fixed halves.
 // Which thread computes a panel never changes its bits (a panel's sums are its own).
 constexpr int64_t kClaim = 4;
 
