@@ -80,7 +80,7 @@ _FROM_BLOCKS = {
 
 
 def _load_rows(f: GGUFFile, name: str, heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One source tensor of a linear, dequantized (and un-permuted where `heads`)."""
+    """A tensor of the file dequantized (a linear's rows un-permuted where `heads`)."""
     w = f.load_tensor(name).to(device=device, dtype=dtype)
     return _unpermute_qk(w, heads) if heads else w
 
@@ -98,10 +98,10 @@ def _quantized(f: GGUFFile | None, lin: Linear, fmt: str) -> QuantizedWeight | S
     parts, row = [], 0
     for (name, heads), info in zip(lin.source, infos):
         target = _exact_format(fmt, info.qtype)
-        if target is None and not lin.has_gemm_weight:
-            parts.append(quantize(_load_rows(f, name, heads, torch.float32, torch.device("cpu")), fallback))
-        elif target is None:
-            parts.append(quantize(lin.weight[row:row + info.shape[0]], fallback))
+        if target is None:
+            rows = lin.weight[row:row + info.shape[0]] if lin.has_gemm_weight else \
+                _load_rows(f, name, heads, torch.float32, torch.device("cpu"))
+            parts.append(quantize(rows, fallback))
         else:
             decode, build = _FROM_BLOCKS[target]
             arrays = decode(torch.from_numpy(f.raw(name)), info.qtype, info.shape)
@@ -150,25 +150,17 @@ class DecoderModel:
         device = torch.device(device)
         policy = MatmulPolicy()
 
-        def t(name: str) -> torch.Tensor:
+        def t(name: str, heads: int = 0, load: bool = True) -> torch.Tensor:
+            """The tensor (un-permuted where `heads`), or a meta tensor of its shape (not `load`)."""
             if name not in f.tensors:
                 raise ModelConfigError(f"{path}: missing tensor {name!r}")
-            return f.load_tensor(name).to(device=device, dtype=dtype)
-
-        def weight(name: str, heads: int) -> torch.Tensor:
-            if name not in f.tensors:
-                raise ModelConfigError(f"{path}: missing tensor {name!r}")
-            if gemm_weights:
-                return _load_rows(f, name, heads, dtype, device)
-            return torch.empty(f.tensors[name].shape, dtype=dtype, device="meta")
-
-        def bias(name: str, heads: int) -> torch.Tensor:
-            b = t(name)
-            return _unpermute_qk(b, heads) if heads else b
+            if not load:
+                return torch.empty(f.tensors[name].shape, dtype=dtype, device="meta")
+            return _load_rows(f, name, heads, dtype, device)
 
         def linear(specs: list[tuple[str, int]], name: str, biased: bool = False) -> Linear:
-            ws = [weight(n + ".weight", heads) for n, heads in specs]
-            b = torch.cat([bias(n + ".bias", heads) for n, heads in specs]) if biased else None
+            ws = [t(n + ".weight", heads, load=gemm_weights) for n, heads in specs]
+            b = torch.cat([t(n + ".bias", heads) for n, heads in specs]) if biased else None
             out = Linear((ws[0] if len(ws) == 1 else torch.cat(ws)).contiguous(), b, policy, name=name)
             out.source = tuple((n + ".weight", heads) for n, heads in specs)
             return out
