@@ -97,9 +97,9 @@ class QuantizedWeight:
         else:  # nibble vector c: quad 2c in the low, 2c + 1 in the high nibbles
             nib = b[:, :, :256].reshape(panels, groups, 4, 1, 64)
             quads = torch.cat([nib & 0x0F, nib >> 4], dim=3).view(panels, groups, 8, 64)
-            if self.fmt == "q5_0":  # quad k's word: bit i is byte i's 5th bit
-                bits = (b[:, :, 256:320].reshape(panels, groups, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-                quads = (quads | (bits.view(panels, groups, 8, 64) << 4)).to(torch.int16) - 16
+            if self.fmt == "q5_0":  # the plane's byte i, bit k: byte i of quad k's 5th bit
+                bits = (b[:, :, 256:320].reshape(panels, groups, 1, 64) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+                quads = (quads | (bits << 4)).to(torch.int16) - 16
             elif self.fmt == "q6_k":  # top vector j's bits 2s, 2s + 1: quad 4j + s
                 shifts = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
                 top = (b[:, :, 256:384].reshape(panels, groups, 2, 1, 64) >> shifts) & 3
@@ -244,9 +244,9 @@ def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
         raise ValueError(f"q5_0 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scales")
     quads = _panel_quads(q)
     panels, groups = quads.shape[:2]
-    bits = ((quads >> 4) & 1).view(panels, groups, 8, 8, 8) << torch.arange(8, dtype=torch.uint8)
-    words = bits.sum(-1, dtype=torch.uint8).flatten(2)  # a little-endian word a quad: bit i <- byte i
-    packed = torch.cat([_nibbles(quads), words], dim=2)
+    bits = ((quads >> 4) & 1) << torch.arange(8, dtype=torch.uint8)[:, None]
+    plane = bits.sum(2, dtype=torch.uint8)  # byte i, bit k <- byte i of quad k's 5th bit
+    packed = torch.cat([_nibbles(quads), plane], dim=2)
     return QuantizedWeight("q5_0", n, packed.reshape(panels, -1), _panel_scales(scale))
 
 

@@ -18,7 +18,8 @@
 // A group's bytes in a panel:
 //   int8 512: the quads as they are (AVX-512 adds 128 to make them unsigned, see Int8Weights);
 //   int4 256: 4 vectors of 64 bytes, vector c holding quad 2c in its low, 2c + 1 in its high nibbles;
-//   q5_0 320: int4's nibbles, then per quad a 64-bit word whose bit 4n + b is that byte's 5th bit;
+//   q5_0 320: int4's nibbles, then a 64-byte plane whose byte i holds in bit k the 5th bit of
+//             byte i of quad k (k = 0..7): one shift and mask give a quad's 5th bits;
 //   q6_k 416: int4's nibbles (low 4 bits), 2 vectors whose byte i holds the top 2 bits of quads
 //             4j .. 4j + 3 (bits 2s, 2s + 1 for quad 4j + s), then per output its two int8
 //             sub-scales (the group's first and last 16 elements).
@@ -39,6 +40,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // The `avx512` build (layers/native.py) works on 16 outputs a vector with AVX512-VNNI's
@@ -93,12 +95,6 @@ inline VF addf(VF a, VF b) { return _mm512_add_ps(a, b); }
 inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
 inline void storef(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF load_h(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-// 64 bytes, byte i 0x10 where bit i of the word at p is set: a 5th bit above a nibble.
-inline VI fifth_bits(const uint8_t* p) {
-  uint64_t bits;
-  std::memcpy(&bits, p, 8);
-  return _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10));
-}
 #else
 using VI = __m256i;
 using VF = __m256;
@@ -131,21 +127,16 @@ inline VF addf(VF a, VF b) { return _mm256_add_ps(a, b); }
 inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
 inline void storef(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF load_h(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline VI fifth_bits(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
-#else
-  // Byte i gets byte i / 8 of the word, keeps bit i % 8 of it, and becomes 0xFF where that is set.
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-#endif
-}
 #endif
 inline VI madd_ones(VI v) { return madd16(v, set32(0x00010001)); }
+// Bit Q of each byte of v moved to bit 4 (other bits are left for the caller's mask): quad Q's
+// 5th bits in a q5_0 plane.
+template <int Q>
+__attribute__((always_inline)) inline VI bit_to_4(VI v) {
+  if constexpr (Q < 4) return shl16<4 - Q>(v);
+  else if constexpr (Q > 4) return shr16<Q - 4>(v);
+  else return v;
+}
 // An activation quad (4 int8) in every 32-bit lane.
 inline VI quad(const int8_t* p) {
   int32_t v;
@@ -282,6 +273,31 @@ __attribute__((always_inline)) inline void unsigned_sums(VI (&chains)[2][R], VI 
     out[r] = kWide ? add32(chains[0][r], chains[1][r]) : add32(madd_ones(chains[0][r]), madd_ones(chains[1][r]));
 }
 
+// f(std::integral_constant<int, C>) for C = 0 .. 3: the nibble vectors of a group, each with
+// its own compile-time shifts (q5_0's and q6_k's high bits).
+template <class F>
+__attribute__((always_inline)) inline void each_vector(F&& f) {
+  f(std::integral_constant<int, 0>{});
+  f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 3>{});
+}
+
+#if !kWide
+// AVX2's 16 registers: a group's quads are unpacked one nibble vector at a time (quads 2c and
+// 2c + 1) and used at once against every row, so that the tile's sums stay in registers. With
+// all 8 unpacked first and two chains a row, the compiler spilled most products to the stack.
+// Each row's products of quads lo and hi, summed in 16-bit lanes.
+template <int R>
+__attribute__((always_inline)) inline void add_pair(VI lo, VI hi, int c, const Rows<R>& x, int64_t g, VI (&acc)[R]) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xr = x.x[r] + g * kGroup + 8 * c;
+    acc[r] = add16(acc[r], add16(maddubs(lo, quad(xr)), maddubs(hi, quad(xr + 4))));
+    asm("" : "+x"(acc[r]));  // keeps the sum a chain: reassociated, all products were live at once
+  }
+}
+#endif
+
 // A group's 4 nibble vectors at w (int4, q5_0, q6_k): quads 2c (low nibbles) and 2c + 1 (high)
 // of vector c.
 __attribute__((always_inline)) inline void nibbles(const uint8_t* w, VI (&v)[8]) {
@@ -335,11 +351,24 @@ struct Int4Weights {
   VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
   template <int R>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
+#if kWide
     VI v[8], chains[2][R];
     nibbles(group(p, g) + h * 32, v);
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out);
+#else
+    // All 8 quads' products (at most 2 * 15 * 127 a pair, 30480 in all) fit a 16-bit lane.
+    const uint8_t* w = group(p, g) + h * 32;
+    const VI lo4 = bytes(0x0F);
+    VI acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = zero();
+    for (int c = 0; c < 4; ++c) {
+      const VI b = loadi(w + 64 * c);
+      add_pair<R>(and_(b, lo4), and_(shr16<4>(b), lo4), c, x, g, acc);
+    }
+    for (int r = 0; r < R; ++r) out[r] = madd_ones(acc[r]);
+#endif
   }
 };
 
@@ -354,11 +383,32 @@ struct Int5Weights {
   template <int R>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
     const uint8_t* w = group(p, g);
+    const VI plane = loadi(w + 256 + h * 32), bit = bytes(0x10);
+#if kWide
     VI v[8], chains[2][R];
     nibbles(w + h * 32, v);
+    each_vector([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      v[2 * C] = or_and(v[2 * C], bit_to_4<2 * C>(plane), bit);
+      v[2 * C + 1] = or_and(v[2 * C + 1], bit_to_4<2 * C + 1>(plane), bit);
+    });
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
-    for (int k = 0; k < 8; ++k) add_quad<R>(or_(v[k], fifth_bits(w + 256 + 8 * k + 4 * h)), k, x, g, chains);
+    for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out);
+#else
+    // 4 quads' products (at most 2 * 31 * 127 a pair, 31496 in all) fit a 16-bit lane: quads 0-3
+    // and 4-7 are summed apart and widened.
+    const VI lo4 = bytes(0x0F);
+    VI acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
+    each_vector([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      const VI b = loadi(w + h * 32 + 64 * C);
+      add_pair<R>(or_and(and_(b, lo4), bit_to_4<2 * C>(plane), bit),
+                  or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane), bit), C, x, g, acc[C / 2]);
+    });
+    for (int r = 0; r < R; ++r) out[r] = add32(madd_ones(acc[0][r]), madd_ones(acc[1][r]));
+#endif
     for (int r = 0; r < R; ++r) out[r] = sub32(out[r], shl32<4>(set32(x.sum[r][g])));
   }
 };
@@ -377,15 +427,17 @@ struct Int6KWeights {
   template <int R>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
     const uint8_t* w = group(p, g);
-    VI v[8];
-    nibbles(w + h * 32, v);
-    const VI top = bytes(0x30), t0 = loadi(w + 256 + h * 32), t1 = loadi(w + 320 + h * 32);
-    const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
-    for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
+    const VI top = bytes(0x30);
     // 16-bit lanes 2n, 2n + 1: output n's two sub-scales; each half's broadcast to both lanes.
     const VI subs = widen8(w + 384 + h * 16);
     const VI first = shuffle8(subs, lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
     const VI second = shuffle8(subs, lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
+#if kWide
+    VI v[8];
+    nibbles(w + h * 32, v);
+    const VI t0 = loadi(w + 256 + h * 32), t1 = loadi(w + 320 + h * 32);
+    const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
+    for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = x.x[r] + g * kGroup;
       VI acc = zero();
@@ -393,8 +445,26 @@ struct Int6KWeights {
         const VI pair = add16(maddubs(v[k], quad(xr + 4 * k)), maddubs(v[k + 1], quad(xr + 4 * k + 4)));
         acc = dp_i16(acc, pair, k < 4 ? first : second);
       }
-      out[r] = sub32(acc, shl32<5>(madd16(subs, set32(x.halves[r][g]))));
+      out[r] = acc;
     }
+#else
+    // Quads 2c and 2c + 1 (one nibble vector) are the pairs summed in 16 bits, as above.
+    const VI lo4 = bytes(0x0F);
+    for (int r = 0; r < R; ++r) out[r] = zero();
+    each_vector([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      const VI b = loadi(w + h * 32 + 64 * C), t = loadi(w + 256 + 64 * (C / 2) + h * 32);
+      // Top vector C / 2 holds quad 2C's bits at 2s, 2s + 1 with s = 2C % 4, quad 2C + 1's at s + 1.
+      const VI lo = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
+      const VI hi = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = x.x[r] + g * kGroup + 8 * C;
+        out[r] = dp_i16(out[r], add16(maddubs(lo, quad(xr)), maddubs(hi, quad(xr + 4))), C < 2 ? first : second);
+        asm("" : "+x"(out[r]));  // as in add_pair
+      }
+    });
+#endif
+    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], shl32<5>(madd16(subs, set32(x.halves[r][g]))));
   }
 };
 
