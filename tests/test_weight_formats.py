@@ -383,8 +383,11 @@ def test_resolve_prefill_format(monkeypatch):
     assert pf.resolve_prefill_format("auto", "cpu", "int8", torch.bfloat16) == "fp32"
     assert pf.resolve_prefill_format("bf16", "cuda", "fp32", torch.float16) == "fp32"
     monkeypatch.setattr(pf, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))  # a Zen 3
-    assert pf.resolve_prefill_format("auto", "cpu", "int8", torch.float32) == "fp32"
+    assert pf.resolve_prefill_format("auto", "cpu", "int8", torch.float32) == "kernel"
+    assert pf.resolve_prefill_format("auto", "cpu", "fp32", torch.float32) == "fp32"
     assert pf.resolve_prefill_format("bf16", "cpu", "int8", torch.float32) == "fp32"  # warns
+    monkeypatch.setattr(pf, "variant", lambda: None)  # no kernels (no compiler): GEMM
+    assert pf.resolve_prefill_format("auto", "cpu", "int8", torch.float32) == "fp32"
     with pytest.raises(ValueError, match="unknown prefill format"):
         pf.resolve_prefill_format("fp8", "cpu", "int8", torch.float32)
 

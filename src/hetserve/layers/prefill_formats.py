@@ -12,9 +12,12 @@ package:
   FMA's 16, and the kernels read the file's own blocks: on a 2-core Zen 4 EPYC a 512-row step of
   the 0.5B's linears took 826 ms against bf16 GEMM's 1087 (output head aside), and a 512-token
   prefill ran 1.17x faster (docs/benchmarks.md).
-- AVX512-BF16 without either: bf16 GEMM; else fp32 GEMM. On AVX2 the kernels (vpmaddubsw, 32
-  multiply-adds but three more instructions to widen and add) and fp32 GEMM (8) came out even
-  at 256 rows, so GEMM stays.
+- AVX2 alone (Zen 3 and older): the kernels too. vpmaddubsw does 32 multiply-adds an
+  instruction (and one 16-bit add) against fp32 FMA's 8: the 1.5B prefilled 512 tokens at 86.5
+  tok/s with them against 59.6 with fp32 GEMM on a Zen 4 held to AVX2 (docs/benchmarks.md).
+- The AVX2 kernels on a CPU with AVX512-BF16 (no VNNI, or HETSERVE_CPU_KERNELS=avx2): bf16
+  GEMM, whose 512-bit vdpbf16ps out-multiplies 256-bit vpmaddubsw. No kernels (no AVX2, no
+  compiler): fp32 GEMM.
 
 `kernel` leaves --quant-max-rows without effect: every step of a linear with quantized weights
 runs them, so prefill's linears give each row decode's bits (the kernels sum each output in one
@@ -61,11 +64,15 @@ def gemm_format() -> str:
 
 def kernels_beat_gemm() -> bool:
     """Whether this CPU's quantized kernels out-multiply its GEMM at every row count: AVX512-VNNI
-    kernels (the `avx512` variant) where no AMX unit runs the GEMM."""
+    kernels (the `avx512` variant) where no AMX unit runs the GEMM, AVX2 kernels where the GEMM
+    has no native bf16 either."""
     try:
-        return variant() == "avx512" and "amx_bf16" not in cpu_features()
+        kernels = variant()
     except NativeUnavailable:
         return False
+    if kernels == "avx512":
+        return "amx_bf16" not in cpu_features()
+    return kernels == "avx2" and not cpu_has_bf16_gemm()
 
 
 def resolve_prefill_format(fmt: str, device: str | torch.device, weight_format: str, dtype: torch.dtype) -> str:
