@@ -285,15 +285,19 @@ __attribute__((always_inline)) inline void each_vector(F&& f) {
 
 #if !kWide
 // AVX2's 16 registers: a group's quads are unpacked one nibble vector at a time (quads 2c and
-// 2c + 1) and used at once against every row, so that the tile's sums stay in registers. With
-// all 8 unpacked first and two chains a row, the compiler spilled most products to the stack.
-// Each row's products of quads lo and hi, summed in 16-bit lanes.
+// 2c + 1), for both halves of the panel, and used at once against every row: each activation
+// quad is broadcast once for the panel's 16 outputs. With all 8 quads unpacked first, half by
+// half, the compiler spilled most products to the stack, and broadcasting each quad once per
+// half of 8 outputs cost a quarter of the kernel's time on a Zen 4 held to AVX2.
+// Each row's products of quads lo[h] and hi[h], summed in 16-bit lanes of acc[h].
 template <int R>
-__attribute__((always_inline)) inline void add_pair(VI lo, VI hi, int c, const Rows<R>& x, int64_t g, VI (&acc)[R]) {
+__attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI (&hi)[2], int c, const Rows<R>& x,
+                                                     int64_t g, VI (&acc)[2][R]) {
   for (int r = 0; r < R; ++r) {
     const int8_t* xr = x.x[r] + g * kGroup + 8 * c;
-    acc[r] = add16(acc[r], add16(maddubs(lo, quad(xr)), maddubs(hi, quad(xr + 4))));
-    asm("" : "+x"(acc[r]));  // keeps the sum a chain: reassociated, all products were live at once
+    const VI xl = quad(xr), xh = quad(xr + 4);
+    for (int h = 0; h < 2; ++h) acc[h][r] = add16(acc[h][r], add16(maddubs(lo[h], xl), maddubs(hi[h], xh)));
+    asm("" : "+x"(acc[0][r]), "+x"(acc[1][r]));  // keeps each sum a chain: reassociated, all products were live at once
   }
 }
 #endif
@@ -309,9 +313,9 @@ __attribute__((always_inline)) inline void nibbles(const uint8_t* w, VI (&v)[8])
   }
 }
 
-// The weight formats give, for group g of panel p (the vector's outputs: half h on AVX2), each
-// tile row's exact integer dot product with the group's weights as stored (for q5_0 and int8
-// with their offsets taken off), one output a lane; `scales` the floats each dot product is
+// The weight formats give, for group g of panel p, each tile row's exact integer dot product with
+// the group's weights as stored (for q5_0 and int8 with their offsets taken off), one output a
+// lane of out[h] (h: the panel's half on AVX2); `scales` the floats each dot product is
 // multiplied by, and, where kHasMin, `mins` the offsets times the row's d * sum(xq).
 struct Int8Weights {
   static constexpr bool kHasMin = false;
@@ -320,23 +324,28 @@ struct Int8Weights {
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
-    const uint8_t* w = group(p, g) + h * 32;
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+    const uint8_t* w = group(p, g);
 #if kWide
     // vpdpbusd multiplies unsigned by signed bytes: q + 128 (0..255) is unsigned, and the
     // 128 * sum(xq) it adds is taken off after.
     VI chains[2][R];
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
     for (int k = 0; k < 8; ++k) add_quad<R>(xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80))), k, x, g, chains);
-    unsigned_sums<R>(chains, out);
-    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], shl32<7>(set32(x.sum[r][g])));
+    unsigned_sums<R>(chains, out[0]);
+    for (int r = 0; r < R; ++r) out[0][r] = sub32(out[0][r], shl32<7>(set32(x.sum[r][g])));
 #else
     // |q| as unsigned and the sign moved onto x: a pair of products is at most 2 * 128 * 127.
-    for (int r = 0; r < R; ++r) out[r] = zero();
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) out[h][r] = zero();
     for (int k = 0; k < 8; ++k) {
-      const VI wv = loadi(w + 64 * k), w_abs = _mm256_sign_epi8(wv, wv);
-      for (int r = 0; r < R; ++r)
-        out[r] = add32(out[r], madd_ones(maddubs(w_abs, _mm256_sign_epi8(quad(x.x[r] + g * kGroup + 4 * k), wv))));
+      const VI wv[2] = {loadi(w + 64 * k), loadi(w + 64 * k + 32)};
+      const VI w_abs[2] = {_mm256_sign_epi8(wv[0], wv[0]), _mm256_sign_epi8(wv[1], wv[1])};
+      for (int r = 0; r < R; ++r) {
+        const VI xq = quad(x.x[r] + g * kGroup + 4 * k);
+        for (int h = 0; h < 2; ++h)
+          out[h][r] = add32(out[h][r], madd_ones(maddubs(w_abs[h], _mm256_sign_epi8(xq, wv[h]))));
+      }
     }
 #endif
   }
@@ -350,24 +359,26 @@ struct Int4Weights {
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
   template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+    const uint8_t* w = group(p, g);
 #if kWide
     VI v[8], chains[2][R];
-    nibbles(group(p, g) + h * 32, v);
+    nibbles(w, v);
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
-    unsigned_sums<R>(chains, out);
+    unsigned_sums<R>(chains, out[0]);
 #else
     // All 8 quads' products (at most 2 * 15 * 127 a pair, 30480 in all) fit a 16-bit lane.
-    const uint8_t* w = group(p, g) + h * 32;
     const VI lo4 = bytes(0x0F);
-    VI acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zero();
+    VI acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
     for (int c = 0; c < 4; ++c) {
-      const VI b = loadi(w + 64 * c);
-      add_pair<R>(and_(b, lo4), and_(shr16<4>(b), lo4), c, x, g, acc);
+      const VI b[2] = {loadi(w + 64 * c), loadi(w + 64 * c + 32)};
+      add_pairs<R>({and_(b[0], lo4), and_(b[1], lo4)}, {and_(shr16<4>(b[0]), lo4), and_(shr16<4>(b[1]), lo4)}, c, x,
+                   g, acc);
     }
-    for (int r = 0; r < R; ++r) out[r] = madd_ones(acc[r]);
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) out[h][r] = madd_ones(acc[h][r]);
 #endif
   }
 };
@@ -381,12 +392,13 @@ struct Int5Weights {
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
     const uint8_t* w = group(p, g);
-    const VI plane = loadi(w + 256 + h * 32), bit = bytes(0x10);
+    const VI bit = bytes(0x10);
 #if kWide
+    const VI plane = loadi(w + 256);
     VI v[8], chains[2][R];
-    nibbles(w + h * 32, v);
+    nibbles(w, v);
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
       v[2 * C] = or_and(v[2 * C], bit_to_4<2 * C>(plane), bit);
@@ -394,22 +406,30 @@ struct Int5Weights {
     });
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
-    unsigned_sums<R>(chains, out);
+    unsigned_sums<R>(chains, out[0]);
 #else
     // 4 quads' products (at most 2 * 31 * 127 a pair, 31496 in all) fit a 16-bit lane: quads 0-3
     // and 4-7 are summed apart and widened.
-    const VI lo4 = bytes(0x0F);
+    const VI lo4 = bytes(0x0F), plane[2] = {loadi(w + 256), loadi(w + 288)};
     VI acc[2][R];
-    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
-      const VI b = loadi(w + h * 32 + 64 * C);
-      add_pair<R>(or_and(and_(b, lo4), bit_to_4<2 * C>(plane), bit),
-                  or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane), bit), C, x, g, acc[C / 2]);
+      if constexpr (C % 2 == 0)
+        for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
+      VI lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const VI b = loadi(w + 64 * C + 32 * h);
+        lo[h] = or_and(and_(b, lo4), bit_to_4<2 * C>(plane[h]), bit);
+        hi[h] = or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane[h]), bit);
+      }
+      add_pairs<R>(lo, hi, C, x, g, acc);
+      if constexpr (C % 2 == 1)
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < R; ++r) out[h][r] = C == 1 ? madd_ones(acc[h][r]) : add32(out[h][r], madd_ones(acc[h][r]));
     });
-    for (int r = 0; r < R; ++r) out[r] = add32(madd_ones(acc[0][r]), madd_ones(acc[1][r]));
 #endif
-    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], shl32<4>(set32(x.sum[r][g])));
+    for (int h = 0; h < kHalves; ++h)
+      for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
   }
 };
 
@@ -425,17 +445,21 @@ struct Int6KWeights {
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(d + (p * (G / 8) + g / 8) * kPanel + h * kLanes); }
   template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, int h, const Rows<R>& x, VI (&out)[R]) const {
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
     const uint8_t* w = group(p, g);
     const VI top = bytes(0x30);
-    // 16-bit lanes 2n, 2n + 1: output n's two sub-scales; each half's broadcast to both lanes.
-    const VI subs = widen8(w + 384 + h * 16);
-    const VI first = shuffle8(subs, lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
-    const VI second = shuffle8(subs, lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
+    // 16-bit lanes 2n, 2n + 1: output n's two sub-scales (those of the group's first and last 16
+    // elements), broadcast to both lanes as `first` and `second`; per half on AVX2.
+    VI subs[kHalves], first[kHalves], second[kHalves];
+    for (int h = 0; h < kHalves; ++h) {
+      subs[h] = widen8(w + 384 + h * 16);
+      first[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
+      second[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
+    }
 #if kWide
     VI v[8];
-    nibbles(w + h * 32, v);
-    const VI t0 = loadi(w + 256 + h * 32), t1 = loadi(w + 320 + h * 32);
+    nibbles(w, v);
+    const VI t0 = loadi(w + 256), t1 = loadi(w + 320);
     const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
     for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
     for (int r = 0; r < R; ++r) {
@@ -443,28 +467,35 @@ struct Int6KWeights {
       VI acc = zero();
       for (int k = 0; k < 8; k += 2) {
         const VI pair = add16(maddubs(v[k], quad(xr + 4 * k)), maddubs(v[k + 1], quad(xr + 4 * k + 4)));
-        acc = dp_i16(acc, pair, k < 4 ? first : second);
+        acc = dp_i16(acc, pair, k < 4 ? first[0] : second[0]);
       }
-      out[r] = acc;
+      out[0][r] = acc;
     }
 #else
     // Quads 2c and 2c + 1 (one nibble vector) are the pairs summed in 16 bits, as above.
     const VI lo4 = bytes(0x0F);
-    for (int r = 0; r < R; ++r) out[r] = zero();
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) out[h][r] = zero();
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
-      const VI b = loadi(w + h * 32 + 64 * C), t = loadi(w + 256 + 64 * (C / 2) + h * 32);
-      // Top vector C / 2 holds quad 2C's bits at 2s, 2s + 1 with s = 2C % 4, quad 2C + 1's at s + 1.
-      const VI lo = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
-      const VI hi = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
+      VI lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const VI b = loadi(w + 64 * C + 32 * h), t = loadi(w + 256 + 64 * (C / 2) + 32 * h);
+        // Top vector C / 2 holds quad 2C's bits at 2s, 2s + 1 with s = 2C % 4, quad 2C + 1's at s + 1.
+        lo[h] = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
+        hi[h] = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x.x[r] + g * kGroup + 8 * C;
-        out[r] = dp_i16(out[r], add16(maddubs(lo, quad(xr)), maddubs(hi, quad(xr + 4))), C < 2 ? first : second);
-        asm("" : "+x"(out[r]));  // as in add_pair
+        const VI xl = quad(xr), xh = quad(xr + 4);
+        for (int h = 0; h < 2; ++h)
+          out[h][r] = dp_i16(out[h][r], add16(maddubs(lo[h], xl), maddubs(hi[h], xh)), C < 2 ? first[h] : second[h]);
+        asm("" : "+x"(out[0][r]), "+x"(out[1][r]));  // as in add_pairs
       }
     });
 #endif
-    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], shl32<5>(madd16(subs, set32(x.halves[r][g]))));
+    for (int h = 0; h < kHalves; ++h)
+      for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<5>(madd16(subs[h], set32(x.halves[r][g]))));
   }
 };
 
@@ -495,11 +526,11 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
       _mm_prefetch(here + kPrefetchL2 + l, _MM_HINT_T1);
       _mm_prefetch(here + kPrefetchL1 + l, _MM_HINT_T0);
     }
+    VI dots[kHalves][R];
+    w.template dots<R>(p, g, x, dots);
     for (int h = 0; h < kHalves; ++h) {
-      VI dots[R];
-      w.template dots<R>(p, g, h, x, dots);
       const VF ws = w.scales(p, g, h);
-      for (int r = 0; r < R; ++r) acc[h][r] = fmadd(cvt(dots[r]), mul(ws, setf(x.d[r][g])), acc[h][r]);
+      for (int r = 0; r < R; ++r) acc[h][r] = fmadd(cvt(dots[h][r]), mul(ws, setf(x.d[r][g])), acc[h][r]);
       if constexpr (W::kHasMin) {
         const VF wm = w.mins(p, g, h);
         for (int r = 0; r < R; ++r) acc[h][r] = fmadd(wm, setf(x.s[r][g]), acc[h][r]);
