@@ -13,8 +13,9 @@ package:
   the 0.5B's linears took 826 ms against bf16 GEMM's 1087 (output head aside), and a 512-token
   prefill ran 1.17x faster (docs/benchmarks.md).
 - AVX2 alone (Zen 3 and older): the kernels too. vpmaddubsw does 32 multiply-adds an
-  instruction (and one 16-bit add) against fp32 FMA's 8: the 1.5B prefilled 512 tokens at 86.5
-  tok/s with them against 59.6 with fp32 GEMM on a Zen 4 held to AVX2 (docs/benchmarks.md).
+  instruction (and one 16-bit add) against fp32 FMA's 8: on a Zen 4 held to AVX2 the 1.5B
+  prefilled 512 tokens at 86.5 tok/s with them against 59.6 with fp32 GEMM, and at 1.50x
+  llama.cpp's AVX2 build once their tile shared each activation broadcast (docs/benchmarks.md).
 - The AVX2 kernels on a CPU with AVX512-BF16 (no VNNI, or HETSERVE_CPU_KERNELS=avx2): bf16
   GEMM, whose 512-bit vdpbf16ps out-multiplies 256-bit vpmaddubsw. No kernels (no AVX2, no
   compiler): fp32 GEMM.
