@@ -44,7 +44,7 @@
 #include <vector>
 
 // The `avx512` build (layers/native.py) works on 16 outputs a vector with AVX512-VNNI's
-// vpdpbusd / vpdpwssd; the `avx2` build on 8 (each panel in two halves) with vpmaddubsw +
+// vpdpbusd; the `avx2` build on 8 (each panel in two halves) with vpmaddubsw +
 // vpmaddwd. The integer sums are exact either way, so both give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define kWide 1
@@ -82,10 +82,7 @@ template <int S> inline VI shl32(VI a) { return _mm512_slli_epi32(a, S); }
 inline VI maddubs(VI u, VI s) { return _mm512_maddubs_epi16(u, s); }
 inline VI add16(VI a, VI b) { return _mm512_add_epi16(a, b); }
 inline VI madd16(VI a, VI b) { return _mm512_madd_epi16(a, b); }
-inline VI dp_i16(VI acc, VI a, VI b) { return _mm512_dpwssd_epi32(acc, a, b); }
-inline VI shuffle8(VI a, VI idx) { return _mm512_shuffle_epi8(a, idx); }
 inline VI widen8(const void* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
-inline VI lanes16(__m128i v) { return _mm512_broadcast_i32x4(v); }  // in every 128-bit lane
 inline VF cvt(VI a) { return _mm512_cvtepi32_ps(a); }
 inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
@@ -434,10 +431,11 @@ struct Int5Weights {
 };
 
 // Q6_K: q in 0..63, w = (q - 32) * sub * d, an int8 sub-scale per 16 elements (quads 0-3, 4-7)
-// and an fp16 d per 8 groups. Two quads' products (at most 2 * 2 * 63 * 127 = 32004 a 16-bit
-// lane) are summed in 16 bits and multiplied by the half's sub-scale in vpmaddwd / vpdpwssd;
-// the offset, 32 * (sub_0 * h_0 + sub_1 * h_1) with h the row's half sums, goes in the integers
-// too. A group's result, at most 32 * 32 * 127 * 128 < 2^24, is exact in fp32.
+// and an fp16 d per 8 groups. AVX2 sums two quads' products (at most 2 * 2 * 63 * 127 = 32004
+// a 16-bit lane) in 16 bits and multiplies them by the half's sub-scale in vpmaddwd; AVX-512
+// sums each half in 32 bits (vpdpbusd) and multiplies in vpmulld: the same integers. The
+// offset, 32 * (sub_0 * h_0 + sub_1 * h_1) with h the row's half sums, goes in the integers too.
+// A group's result, at most 32 * 32 * 127 * 128 < 2^24, is exact in fp32.
 struct Int6KWeights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 4 * 64 + 2 * 64 + 32;
@@ -449,30 +447,33 @@ struct Int6KWeights {
     const uint8_t* w = group(p, g);
     const VI top = bytes(0x30);
     // 16-bit lanes 2n, 2n + 1: output n's two sub-scales (those of the group's first and last 16
-    // elements), broadcast to both lanes as `first` and `second`; per half on AVX2.
-    VI subs[kHalves], first[kHalves], second[kHalves];
-    for (int h = 0; h < kHalves; ++h) {
-      subs[h] = widen8(w + 384 + h * 16);
-      first[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
-      second[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
-    }
+    // elements); per half on AVX2.
+    VI subs[kHalves];
+    for (int h = 0; h < kHalves; ++h) subs[h] = widen8(w + 384 + h * 16);
 #if kWide
+    // vpdpbusd sums each half of 16 elements in 32 bits (at most 16 * 63 * 127), which vpmulld
+    // multiplies by the half's sub-scale: 8 + 2 instructions a row where the 16-bit route took 16.
     VI v[8];
     nibbles(w, v);
     const VI t0 = loadi(w + 256), t1 = loadi(w + 320);
     const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
     for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = x.x[r] + g * kGroup;
-      VI acc = zero();
-      for (int k = 0; k < 8; k += 2) {
-        const VI pair = add16(maddubs(v[k], quad(xr + 4 * k)), maddubs(v[k + 1], quad(xr + 4 * k + 4)));
-        acc = dp_i16(acc, pair, k < 4 ? first[0] : second[0]);
-      }
-      out[0][r] = acc;
-    }
+    const VI sub0 = _mm512_srai_epi32(shl32<16>(subs[0]), 16), sub1 = _mm512_srai_epi32(subs[0], 16);
+    VI chains[2][R];
+    for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
+    for (int k = 0; k < 8; ++k)
+      for (int r = 0; r < R; ++r)
+        chains[k / 4][r] = _mm512_dpbusd_epi32(chains[k / 4][r], v[k], quad(x.x[r] + g * kGroup + 4 * k));
+    for (int r = 0; r < R; ++r)
+      out[0][r] = add32(_mm512_mullo_epi32(chains[0][r], sub0), _mm512_mullo_epi32(chains[1][r], sub1));
 #else
-    // Quads 2c and 2c + 1 (one nibble vector) are the pairs summed in 16 bits, as above.
+    // Quads 2c and 2c + 1 (one nibble vector) are the pairs summed in 16 bits, as above, and
+    // multiplied by their sub-scale, broadcast to both 16-bit lanes, in vpmaddwd.
+    VI first[2], second[2];
+    for (int h = 0; h < 2; ++h) {
+      first[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
+      second[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
+    }
     const VI lo4 = bytes(0x0F);
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < R; ++r) out[h][r] = zero();
