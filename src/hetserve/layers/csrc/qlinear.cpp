@@ -249,26 +249,31 @@ struct Rows {
   }
 };
 
-// Unsigned quads (values at most 31 where kWide is 0) against each row's quad k, added into
-// chains[k % 2]: on AVX2 in 16-bit lanes (4 quads' 8 products of at most 31 * 127 each, 31496,
-// are exact there), widened once by unsigned_sums.
+#if kWide
+// AVX-512: unsigned quads against each row's quad k, added into chains[k % 2] (two chains a row
+// halve vpdpbusd's dependency chain), and the chains' sum.
 template <int R>
 __attribute__((always_inline)) inline void add_quad(VI v, int k, const Rows<R>& x, int64_t g, VI (&chains)[2][R]) {
-  for (int r = 0; r < R; ++r) {
-    const VI xq = quad(x.x[r] + g * kGroup + 4 * k);
-#if kWide
-    chains[k % 2][r] = _mm512_dpbusd_epi32(chains[k % 2][r], v, xq);
-#else
-    chains[k % 2][r] = add16(chains[k % 2][r], maddubs(v, xq));
-#endif
-  }
+  for (int r = 0; r < R; ++r)
+    chains[k % 2][r] = _mm512_dpbusd_epi32(chains[k % 2][r], v, quad(x.x[r] + g * kGroup + 4 * k));
 }
 
 template <int R>
 __attribute__((always_inline)) inline void unsigned_sums(VI (&chains)[2][R], VI (&out)[R]) {
-  for (int r = 0; r < R; ++r)
-    out[r] = kWide ? add32(chains[0][r], chains[1][r]) : add32(madd_ones(chains[0][r]), madd_ones(chains[1][r]));
+  for (int r = 0; r < R; ++r) out[r] = add32(chains[0][r], chains[1][r]);
 }
+
+// A group's 4 nibble vectors at w (int4, q5_0, q6_k) unpacked: quads 2c (low nibbles) and
+// 2c + 1 (high) of vector c. (AVX2 unpacks them one vector at a time, see add_pairs.)
+__attribute__((always_inline)) inline void nibbles(const uint8_t* w, VI (&v)[8]) {
+  const VI lo4 = bytes(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const VI b = loadi(w + 64 * c);
+    v[2 * c] = and_(b, lo4);
+    v[2 * c + 1] = and_(shr16<4>(b), lo4);
+  }
+}
+#endif
 
 // f(std::integral_constant<int, C>) for C = 0 .. 3: the nibble vectors of a group, each with
 // its own compile-time shifts (q5_0's and q6_k's high bits).
@@ -298,17 +303,6 @@ __attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI
   }
 }
 #endif
-
-// A group's 4 nibble vectors at w (int4, q5_0, q6_k): quads 2c (low nibbles) and 2c + 1 (high)
-// of vector c.
-__attribute__((always_inline)) inline void nibbles(const uint8_t* w, VI (&v)[8]) {
-  const VI lo4 = bytes(0x0F);
-  for (int c = 0; c < 4; ++c) {
-    const VI b = loadi(w + 64 * c);
-    v[2 * c] = and_(b, lo4);
-    v[2 * c + 1] = and_(shr16<4>(b), lo4);
-  }
-}
 
 // The weight formats give, for group g of panel p, each tile row's exact integer dot product with
 // the group's weights as stored (for q5_0 and int8 with their offsets taken off), one output a
