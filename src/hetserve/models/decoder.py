@@ -209,8 +209,8 @@ class DecoderModel:
         loaded without its fp32 copy (from_gguf's gemm_weights=False) that stays fp32 loads it here."""
         added = 0
         self._native_plan = None
-        lazy = any(not lin.has_gemm_weight for lin in self.linears())
-        with GGUFFile(self.path) if self.path and (self.device.type == "cpu" or lazy) else nullcontext() as gguf:
+        with GGUFFile(self.path) if self.path and (self.device.type == "cpu" or self._weights_in_file) \
+                else nullcontext() as gguf:
             for lin in self.linears():
                 if fmt != "fp32" and lin.weight.shape[1] % GROUP == 0:
                     lin.qweight = _quantized(gguf, lin, fmt)
@@ -218,6 +218,11 @@ class DecoderModel:
                 elif not lin.has_gemm_weight:  # loaded without its fp32 copy, which it runs after all
                     lin.weight = self._file_weight(gguf, lin)
         return added
+
+    @property
+    def _weights_in_file(self) -> bool:
+        """Whether some linear was loaded without its fp32 weight (from_gguf's gemm_weights=False)."""
+        return any(not lin.has_gemm_weight for lin in self.linears())
 
     def _file_weight(self, f: GGUFFile, lin: Linear) -> torch.Tensor:
         """A linear's weight as from_gguf loads it: its source tensors dequantized, stacked."""
@@ -230,8 +235,7 @@ class DecoderModel:
         prefill runs it on the last row of each sequence only). A model loaded without its fp32
         copies (from_gguf's gemm_weights=False) loads them here one linear at a time, each
         converted before the next loads, so the fp32 model is never held whole."""
-        lazy = any(not lin.has_gemm_weight for lin in self.linears())
-        with GGUFFile(self.path) if lazy else nullcontext() as f:
+        with GGUFFile(self.path) if self._weights_in_file else nullcontext() as f:
             for lin in self.linears():
                 if not lin.has_gemm_weight:
                     lin.weight = self._file_weight(f, lin)
