@@ -58,7 +58,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kPanel = 16;                   // output rows per panel
 constexpr int kHalves = kWide ? 1 : 2;           // vectors per panel row of 64 bytes
 constexpr int kLanes = kPanel / kHalves;         // outputs per vector
-constexpr int kMaxRows = kWide ? 6 : 4;          // activation rows per pass over a panel
+constexpr int kMaxRows = kWide ? 8 : 4;          // activation rows per pass over a panel (see W::kRows)
 
 inline int64_t num_panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
@@ -250,17 +250,32 @@ struct Rows {
 };
 
 #if kWide
-// AVX-512: unsigned quads against each row's quad k, added into chains[k % 2] (two chains a row
-// halve vpdpbusd's dependency chain), and the chains' sum.
+// AVX-512: unsigned quads against each row's quad k, added into chains[k % C] and the chains'
+// sum. Small tiles take two chains a row (C = 2), which halves vpdpbusd's dependency chain; from
+// 5 rows on the rows' own chains are enough in flight and one a row leaves registers for 8 rows.
 template <int R>
-__attribute__((always_inline)) inline void add_quad(VI v, int k, const Rows<R>& x, int64_t g, VI (&chains)[2][R]) {
+constexpr int kChains = R > 4 ? 1 : 2;
+
+template <int R>
+__attribute__((always_inline)) inline void add_quad(VI v, int k, const Rows<R>& x, int64_t g,
+                                                    VI (&chains)[kChains<R>][R]) {
+  constexpr int C = kChains<R>;
   for (int r = 0; r < R; ++r)
-    chains[k % 2][r] = _mm512_dpbusd_epi32(chains[k % 2][r], v, quad(x.x[r] + g * kGroup + 4 * k));
+    chains[k % C][r] = _mm512_dpbusd_epi32(chains[k % C][r], v, quad(x.x[r] + g * kGroup + 4 * k));
 }
 
 template <int R>
-__attribute__((always_inline)) inline void unsigned_sums(VI (&chains)[2][R], VI (&out)[R]) {
-  for (int r = 0; r < R; ++r) out[r] = add32(chains[0][r], chains[1][r]);
+__attribute__((always_inline)) inline void zero_chains(VI (&chains)[kChains<R>][R]) {
+  for (int c = 0; c < kChains<R>; ++c)
+    for (int r = 0; r < R; ++r) chains[c][r] = zero();
+}
+
+template <int R>
+__attribute__((always_inline)) inline void unsigned_sums(VI (&chains)[kChains<R>][R], VI (&out)[R]) {
+  for (int r = 0; r < R; ++r) {
+    out[r] = chains[0][r];
+    if constexpr (kChains<R> == 2) out[r] = add32(out[r], chains[1][r]);
+  }
 }
 
 // A group's 4 nibble vectors at w (int4, q5_0, q6_k) unpacked: quads 2c (low nibbles) and
@@ -311,6 +326,7 @@ __attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI
 struct Int8Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 8 * 64;
+  static constexpr int kRows = kMaxRows;
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -320,8 +336,8 @@ struct Int8Weights {
 #if kWide
     // vpdpbusd multiplies unsigned by signed bytes: q + 128 (0..255) is unsigned, and the
     // 128 * sum(xq) it adds is taken off after.
-    VI chains[2][R];
-    for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
+    VI chains[kChains<R>][R];
+    zero_chains<R>(chains);
     for (int k = 0; k < 8; ++k) add_quad<R>(xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80))), k, x, g, chains);
     unsigned_sums<R>(chains, out[0]);
     for (int r = 0; r < R; ++r) out[0][r] = sub32(out[0][r], shl32<7>(set32(x.sum[r][g])));
@@ -345,6 +361,7 @@ struct Int8Weights {
 struct Int4Weights {
   static constexpr bool kHasMin = true;
   static constexpr int64_t kBytes = 4 * 64;
+  static constexpr int kRows = kMaxRows;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -353,9 +370,9 @@ struct Int4Weights {
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
     const uint8_t* w = group(p, g);
 #if kWide
-    VI v[8], chains[2][R];
+    VI v[8], chains[kChains<R>][R];
     nibbles(w, v);
-    for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
+    zero_chains<R>(chains);
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out[0]);
 #else
@@ -379,6 +396,7 @@ struct Int4Weights {
 struct Int5Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
+  static constexpr int kRows = kMaxRows;
   const uint8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -388,14 +406,14 @@ struct Int5Weights {
     const VI bit = bytes(0x10);
 #if kWide
     const VI plane = loadi(w + 256);
-    VI v[8], chains[2][R];
+    VI v[8], chains[kChains<R>][R];
     nibbles(w, v);
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
       v[2 * C] = or_and(v[2 * C], bit_to_4<2 * C>(plane), bit);
       v[2 * C + 1] = or_and(v[2 * C + 1], bit_to_4<2 * C + 1>(plane), bit);
     });
-    for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
+    zero_chains<R>(chains);
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out[0]);
 #else
@@ -433,6 +451,10 @@ struct Int5Weights {
 struct Int6KWeights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 4 * 64 + 2 * 64 + 32;
+  // Two sums a row (one per sub-scale) and the 8 unpacked vectors leave AVX-512's 32 registers
+  // room for 6 rows: at 8 they spilled (1.6x slower); summing the halves one after the other
+  // fit 8 rows but was no faster at 8 and 5-10% slower at 5 and 512.
+  static constexpr int kRows = kWide ? 6 : kMaxRows;
   const uint8_t* q; const at::Half* d; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(d + (p * (G / 8) + g / 8) * kPanel + h * kLanes); }
@@ -543,7 +565,7 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
   }
 }
 
-// The last rows (fewer than kMaxRows) as one tile.
+// The last rows (fewer than W::kRows) as one tile.
 template <int R, class W>
 void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64_t N, const float* bias, float* y) {
   if constexpr (R > 0) {
@@ -615,8 +637,8 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   parallel_panels(num_panels(N), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       int64_t m = 0;
-      for (; m + kMaxRows <= M; m += kMaxRows) tile<kMaxRows>(w, xq, m, p, N, bp, yp);
-      rest<kMaxRows - 1>(w, xq, m, M - m, p, N, bp, yp);
+      for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows>(w, xq, m, p, N, bp, yp);
+      rest<W::kRows - 1>(w, xq, m, M - m, p, N, bp, yp);
     }
   });
   if (passes == 1) return y;
