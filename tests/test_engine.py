@@ -54,13 +54,24 @@ def test_chunked_prefill_equals_whole_prefill(tiny_qwen2):
 
 
 def test_long_prompt_chunks_mix_with_decodes(tiny_qwen2):
+    """The budget is of prompt tokens: decodes ride on top, and a prompt's chunk is never cut
+    short by them (which left a prompt's last tokens, and its first token, to the next step)."""
     llm = make_llm(tiny_qwen2, max_num_batched_tokens=8)
     eng = llm.engine
     eng.add_request(Request("short", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0)))
     eng.step()  # short prefilled, now decoding
     eng.add_request(Request("long", list(range(40, 80)), SamplingParams(max_tokens=4, temperature=0)))
+    eng.add_request(Request("next", list(range(90, 94)), SamplingParams(max_tokens=4, temperature=0)))
     sched = eng.scheduler.schedule()
-    assert [(r.request_id, n) for r, n in sched.scheduled] == [("short", 1), ("long", 7)]
+    assert [(r.request_id, n) for r, n in sched.scheduled] == [("short", 1), ("long", 8)]  # next waits
+    for r in list(eng.requests):
+        eng.abort(r)
+    assert eng.num_free_pages == eng.pool.num_blocks
+    eng.add_request(Request("short2", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0)))
+    eng.step()
+    eng.add_request(Request("exact", list(range(100, 108)), SamplingParams(max_tokens=4, temperature=0)))
+    sched = eng.scheduler.schedule()
+    assert [(r.request_id, n) for r, n in sched.scheduled] == [("short2", 1), ("exact", 8)]  # whole, in one step
     for r in list(eng.requests):
         eng.abort(r)
     assert eng.num_free_pages == eng.pool.num_blocks

@@ -331,7 +331,7 @@ def test_stats_add_up(tiny_qwen2, drafts):
 
 @pytest.mark.parametrize("kw", [dict(kv_cache="contiguous"), dict(max_num_batched_tokens=6)])
 def test_contiguous_layout_and_a_tiny_token_budget(tiny_qwen2, drafts, target_only, kw):
-    """Drafts share the step's token budget with other requests' decodes and prefill chunks."""
+    """Drafts ride along other requests' decodes and prefill chunks cut to a tiny prompt-token budget."""
     llm = make(tiny_qwen2, drafts["near"], num_speculative_tokens=4, **kw)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == target_only
     assert llm.engine.spec_stats()["rounds"] > 0

@@ -16,7 +16,7 @@ _ENGINE_HELP = {
     "device": "device to run on: cpu, cpu:threads=N, cuda, cuda:N or gpu (the next accelerator); serve takes "
               "several (one worker each), each with optional ,key=value overrides, e.g. cpu:threads=1,dtype=float32",
     "dtype": "activation dtype (float32; bfloat16/float16 fall back to float32 where they have no fast kernels)",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "max_num_batched_tokens": "prompt tokens of one step (prefill chunks); decodes and their drafts come on top",
     "max_num_seqs": "most requests running at once",
     "page_size": "tokens per KV page",
     "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",

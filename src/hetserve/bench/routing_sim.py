@@ -1,8 +1,8 @@
 """A discrete-event model of several workers behind the router, driven by worker profiles.
 
 Each simulated worker runs the engine's scheduling rule: running requests first (the next
-prefill chunk, or one decode token), then queued requests while the step's token budget and
-max_num_seqs allow, each admitted one starting from the prefix its worker has cached. A step
+prefill chunk within the step's prompt-token budget, or one decode token outside it), then
+queued requests while that budget and max_num_seqs allow, each admitted one starting from the prefix its worker has cached. A step
 with P prefill tokens and D decode rows takes P / prefill_rate(P) + D / decode_rate(D)
 seconds. Full prompt pages are published to the worker's cache as they are computed (as with
 incremental publication) and the router hears of them, and of every request's progress, after
@@ -63,11 +63,12 @@ class _Worker:
         """Pick this step's work like core.scheduler; returns its duration (0: nothing to do)."""
         budget, self.step = self.max_num_batched_tokens, []
         for r in self.running:
-            if budget <= 0:
-                break
-            n = min(len(r.prompt) + r.generated - r.computed, budget)
-            self.step.append((r, n))
-            budget -= n
+            left = len(r.prompt) + r.generated - r.computed
+            if left == 1:  # a decode: outside the prompt-token budget
+                self.step.append((r, 1))
+            elif budget > 0:
+                self.step.append((r, min(left, budget)))
+                budget -= min(left, budget)
         while self.waiting and budget > 0 and len(self.running) < self.view.max_num_seqs:
             r = self.waiting.popleft()
             r.computed = self.cached_tokens(r)

@@ -1,8 +1,14 @@
-"""Continuous batching under one token budget per step, with preemption by recompute.
+"""Continuous batching under one prompt-token budget per step, with preemption by recompute.
 
 Each step: running requests first (decodes, and the next chunk of partly
 prefilled prompts), then waiting requests' prefill chunks while the budget,
-`max_num_seqs` and free pages allow. When pages run out for a running request,
+`max_num_seqs` and free pages allow. `max_num_batched_tokens` bounds the
+step's prompt tokens (prefill chunks); decoding requests' tokens (1, plus
+their drafts) come on top of it, as SGLang's chunked prefill size does, so a
+step holds at most that budget plus `max_num_seqs` decodes. Charged to the
+budget, the decodes took its last few tokens from each prompt's chunk: 8
+concurrent 512-token prompts under a 512 budget each finished prefill a whole
+step late (mean TTFT 5.6-6.3 s against 4.5-4.8 on a Zen 4, 0.5B). When pages run out for a running request,
 the most recently admitted running request is preempted: its pages are freed
 and it goes back to the front of the queue, keeping the tokens it generated.
 Waiting requests never preempt running ones.
@@ -149,14 +155,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        # 1. Running requests, in admission order.
+        # 1. Running requests, in admission order: decodes outside the budget, prompt chunks in it.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            decode = left == 1
+            if not decode and budget <= 0:
+                i += 1
+                continue
+            n = 1 if decode else min(left, budget)
             k = 0
-            if self.draft_len is not None and n == req.num_tokens - req.num_computed_tokens == 1:
-                k = min(self.draft_len(req), budget - 1)
+            if self.draft_len is not None and decode:
+                k = self.draft_len(req)
                 if k > 0 and not self._reserve(req, 1 + k):
                     k = 0  # no spare pages: a plain decode
                 n += max(k, 0)
@@ -171,7 +182,8 @@ class Scheduler:
             out.scheduled.append((req, n))
             if k > 0:
                 out.num_drafts[req.request_id] = k
-            budget -= n
+            if not decode:
+                budget -= n
             i += 1
         # 2. Waiting requests, unless this step had to preempt.
         if not out.preempted:
