@@ -518,15 +518,18 @@ struct Int6KWeights {
 
 // Software prefetches in the weight stream. Each thread reads its panels' weights as one
 // sequential stream, yet the hardware prefetchers alone left the kernel short of memory
-// bandwidth. Each group's bytes are asked for twice: 4 KiB ahead into L2, which covers the
+// bandwidth. Each group's bytes are asked for twice: 8 KiB ahead into L2, which covers the
 // memory's latency, and 1 KiB ahead into L1, from L2. With one prefetch into L1 2 KiB ahead
 // (the best single distance), q6_k streamed at 13-15 GB/s against int4's 17-19 and fell further
-// with each row; both prefetches brought q6_k to 18-20 GB/s and made the 1.5B's verification
-// steps of 2-4 rows 7-11% faster on a Sapphire Rapids class Xeon (1, 2, 4, 6 or 8 KiB into L1
-// alone, or 3-8 KiB into L2 alone, did worse; scratch benchmark over 0.7 GB of distinct weights
-// a format).
+// with each row; both prefetches (then 4 KiB into L2) brought q6_k to 18-20 GB/s and made the
+// 1.5B's verification steps of 2-4 rows 7-11% faster on a Sapphire Rapids class Xeon (1, 2, 4,
+// 6 or 8 KiB into L1 alone, or 3-8 KiB into L2 alone, did worse; scratch benchmark over 0.7 GB
+// of distinct weights a format). On a Zen 4 EPYC, whose threads read about 1.5x faster, 8 KiB
+// into L2 made single-stream decode 4-7% faster on the 0.5B and 6-24% on the 1.5B than 4 KiB
+// (one process, the distances alternated between generations; 2 KiB into L1 or 12-16 KiB
+// into L2 were no better), and 4-row kernels 3-13%. Not re-measured on the Xeon.
 // Prefetches never fault, so the last panels' reach past the end is harmless.
-constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 4096;
+constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 8192;
 
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
 // panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
