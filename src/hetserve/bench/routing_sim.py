@@ -2,11 +2,11 @@
 
 Each simulated worker runs the engine's scheduling rule: running requests first (the next
 prefill chunk within the step's prompt-token budget, or one decode token outside it), then
-queued requests while that budget and max_num_seqs allow, each admitted one starting from the prefix its worker has cached. A step
-with P prefill tokens and D decode rows takes P / prefill_rate(P) + D / decode_rate(D)
-seconds. Full prompt pages are published to the worker's cache as they are computed (as with
-incremental publication) and the router hears of them, and of every request's progress, after
-each step, as in the server. Routing uses the server's own Router and WorkerView.
+queued requests while that budget and max_num_seqs allow, each admitted one starting from the
+prefix its worker has cached. A step with P prefill tokens and D decode rows takes
+P / prefill_rate(P) + D / decode_rate(D) seconds. Full prompt pages are published to the
+worker's cache as they are computed (as with incremental publication) and the router hears of
+them, and of every request's progress, after each step, as in the server. Routing uses the server's own Router and WorkerView.
 No eviction is modelled: the caches are assumed big enough for the workload.
 """
 
@@ -67,8 +67,9 @@ class _Worker:
             if left == 1:  # a decode: outside the prompt-token budget
                 self.step.append((r, 1))
             elif budget > 0:
-                self.step.append((r, min(left, budget)))
-                budget -= min(left, budget)
+                n = min(left, budget)
+                self.step.append((r, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.view.max_num_seqs:
             r = self.waiting.popleft()
             r.computed = self.cached_tokens(r)

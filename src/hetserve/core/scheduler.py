@@ -8,10 +8,12 @@ their drafts) come on top of it, as SGLang's chunked prefill size does, so a
 step holds at most that budget plus `max_num_seqs` decodes. Charged to the
 budget, the decodes took its last few tokens from each prompt's chunk: 8
 concurrent 512-token prompts under a 512 budget each finished prefill a whole
-step late (mean TTFT 5.6-6.3 s against 4.5-4.8 on a Zen 4, 0.5B). When pages run out for a running request,
-the most recently admitted running request is preempted: its pages are freed
-and it goes back to the front of the queue, keeping the tokens it generated.
-Waiting requests never preempt running ones.
+step late (mean TTFT 5.6-6.3 s against 4.5-4.8 on a Zen 4, 0.5B).
+
+When pages run out for a running request, the most recently admitted running
+request is preempted: its pages are freed and it goes back to the front of the
+queue, keeping the tokens it generated. Waiting requests never preempt running
+ones.
 
 With speculative decoding, a decoding request may also get K draft positions
 (`draft_len`): it is scheduled for 1 + K tokens, and its pages are reserved for
