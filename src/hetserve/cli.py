@@ -37,6 +37,9 @@ _ENGINE_HELP = {
                            "(a second int8 pass over what the first left: fp32's perplexity, slower decode)",
     "huge_pages": "CPU weights on 2 MiB transparent huge pages where Linux offers them (fewer TLB misses as "
                   "decode streams them); --no-huge-pages keeps 4 KiB pages",
+    "reuse_freed_pages": "CPU: the pages a step frees stay mapped for the next step's tensors (glibc's mmap and "
+                         "trim thresholds raised to 1 GiB), where each large tensor was mapped and faulted in afresh; "
+                         "--no-reuse-freed-pages leaves the C library's allocator as it is",
     "native_layers": "CPU decode steps run the decoder's layers in one native call (the same kernels and bits); "
                      "--no-native-layers dispatches each op from Python, with per-op trace spans",
     "prefill_format": "steps past --quant-max-rows (prefill chunks): fp32 or bf16 GEMM, kernel (the quantized "

@@ -41,6 +41,7 @@ class EngineConfig:
     quant_max_rows: int = 32  # steps of up to this many rows use the quantized weights
     activation_rounding: str = "int8"  # the quantized kernels' activations: int8 (per 32, as llama.cpp) or int8x2
     huge_pages: bool = True  # CPU weights on transparent huge pages where the kernel offers them (Linux THP)
+    reuse_freed_pages: bool = True  # CPU: freed step tensors' pages stay mapped for the next step (glibc)
     native_layers: bool = True  # CPU decode steps run every layer in one native call (else op by op from Python)
     prefill_format: str = "auto"  # larger steps: fp32 or bf16 GEMM, kernel (the quantized kernels), auto (per CPU)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary

@@ -13,6 +13,7 @@ import torch
 from .. import trace
 from ..layers import native
 from ..layers.dtypes import resolve_dtype
+from ..layers.heap import keep_freed_pages
 from ..layers.huge_pages import HugePageArena, thp_mode
 from ..layers.prefill_formats import resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
@@ -106,6 +107,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     assert grammars.vocab_size == decoder.lm_head.out_features
     engine = EngineCore(decoder, config, tokenizer.stop_token_ids, model_id=model_id, draft_model=draft,
                         grammar_compiler=grammars)
+    if config.reuse_freed_pages and torch.device(device).type == "cpu":
+        keep_freed_pages()  # after the load and the KV cache, which are allocated once
     return LoadedEngine(path, tokenizer, decoder, config, engine)
 
 
