@@ -103,16 +103,33 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
 
 
 def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path, capsys):
-    """The limit columns come from this machine now: a measured read bandwidth over the weight
-    bytes a decode token reads, and a measured GEMM rate over the prefill FLOPs."""
+    """The limit columns come from this machine now: a read bandwidth probed before and after
+    each run over the bytes a decode token reads (weights, and its context's K and V), and a
+    measured GEMM rate over the prefill FLOPs."""
     from hetserve.cli import main
 
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--model", tiny_qwen2, "--no-transformers", "--runs", "1", "--prompt-tokens",
+    assert main(["bench", "latency", "--model", tiny_qwen2, "--no-transformers", "--runs", "2", "--prompt-tokens",
                  "64", "--output-tokens", "4", "--out", str(out)]) == 0
-    lim = json.loads(out.read_text())["hetserve"]["limits"]
+    report = json.loads(out.read_text())["hetserve"]
+    lim = report["limits"]
     assert lim["read_gb_s"] > 0.5 and lim["gemm_gflop_s"] > 1 and lim["decode_weight_bytes"] > 0
-    assert abs(lim["decode_limit_tok_s"] / (lim["read_gb_s"] * 1e9 / lim["decode_weight_bytes"]) - 1) < 0.01
+    from hetserve import LLM
+
+    # The tiny model's fp32 KV: 2 (K, V) x layers x kv heads x head_dim x 4 bytes a token of context,
+    # the average decode context being the prompt and half the output.
+    kv_per_token = LLM(model=tiny_qwen2).model.kv_bytes_per_token()
+    assert lim["decode_kv_bytes"] == kv_per_token * (64 + 2)
+    nbytes = lim["decode_weight_bytes"] + lim["decode_kv_bytes"]
+    assert abs(lim["decode_limit_tok_s"] / (lim["read_gb_s"] * 1e9 / nbytes) - 1) < 0.01
+    # One probe before the runs and one after each; each run's share against the two around it.
+    probes, runs = lim["read_gb_s_probes"], report["runs"]
+    assert len(probes) == 3 and len(lim["decode_share_runs"]) == 2
+    for i, (r, share) in enumerate(zip(runs, lim["decode_share_runs"])):
+        rate = 3 / (r["e2e_s"] - r["ttft_s"])
+        # (the run's times are stored to 0.1 ms, a few percent of the tiny model's decode)
+        assert share == pytest.approx(rate * nbytes / ((probes[i] + probes[i + 1]) / 2 * 1e9), rel=0.1)
+    assert lim["decode_share"] == pytest.approx(sum(lim["decode_share_runs"]) / 2, rel=1e-3)
     assert "limits measured now: read" in capsys.readouterr().out
 
 

@@ -3,9 +3,12 @@
 Both engines get the same token ids (a fixed text tiled to --prompt-tokens), greedy,
 EOS ignored. Prefill tok/s = prompt tokens / time to first token; decode tok/s =
 (output tokens - 1) / (end-to-end time - time to first token). Medians of --runs. On a CPU,
-the limits measured right after (bench/limits.py): decode tok/s at the measured read bandwidth
-over the weight bytes a token reads, prefill tok/s at the measured GEMM rate of the unit prefill
-runs on (bf16 or fp32 GEMM; int8 GEMM where the quantized kernels run it).
+the limits (bench/limits.py): decode tok/s at the measured read bandwidth over the bytes a token
+reads (linear weights, and the K and V of its context), prefill tok/s at the measured GEMM rate
+of the unit prefill runs on (bf16 or fp32 GEMM; int8 GEMM where the quantized kernels run it).
+The read bandwidth is probed before the first run and after each: a shared host's moves by tens
+of percent within minutes, so each run's share of it is taken against the probes on either side
+of it, and the share reported is the median of those.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import statistics
 import sys
 import time
 
-from .limits import limits
+from .limits import ReadProbe, limits
 
 _TEXT = (
     "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    mid = len(items) // 2\n"
@@ -57,17 +60,31 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompt_ids(llm.tokenizer, 32, "warm-up")], SamplingParams(max_tokens=4, temperature=0.0),
                  use_tqdm=False)
+    probe = ReadProbe() if llm.model.device.type == "cpu" else None
+    probes = [probe.gb_s(3)] if probe else []
     samples = []
     for r in range(args.runs):
         t = time.monotonic()
         out = llm.generate([prompt_ids(llm.tokenizer, args.prompt_tokens, f"run {r}")], params, use_tqdm=False)[0]
         assert out.num_cached_tokens == 0
         samples.append((out.metrics["first_token_time"] - t, out.metrics["finished_time"] - t))
+        if probe:
+            probes.append(probe.gb_s(3))
     res = _median_rates(samples, args.prompt_tokens, args.output_tokens)
     res["load_s"] = round(load_s, 2)
-    if llm.model.device.type == "cpu":
+    if probe:
+        del probe
         unit = {"bf16": torch.bfloat16, "kernel": torch.int8}.get(llm.config.prefill_format, torch.float32)
-        res["limits"] = limits(llm.model, unit)
+        # A decode token reads the K and V of its context: on average the prompt and half the output.
+        kv = llm.model.kv_bytes_per_token() * (args.prompt_tokens + args.output_tokens // 2)
+        bandwidths = [(a + b) / 2 for a, b in zip(probes, probes[1:])]
+        lim = limits(llm.model, unit, statistics.median(bandwidths), kv)
+        nbytes = lim["decode_weight_bytes"] + kv
+        shares = [(args.output_tokens - 1) / (e2e - ttft) * nbytes / (bw * 1e9)
+                  for (ttft, e2e), bw in zip(samples, bandwidths)]
+        lim.update(read_gb_s_probes=[round(b, 1) for b in probes], decode_share_runs=[float(f"{x:.4g}") for x in shares],
+                   decode_share=float(f"{statistics.median(shares):.4g}"))
+        res["limits"] = lim
     return res, ids, str(llm.path)
 
 
@@ -115,9 +132,11 @@ def main(args) -> int:
     if "limits" in report["hetserve"]:
         h, lim = report["hetserve"], report["hetserve"]["limits"]
         rate = "TOP/s" if "int8" in lim["gemm_dtype"] else "TFLOP/s"
-        print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s over {lim['decode_weight_bytes'] / 1e6:.0f} MB "
-              f"of weights a token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s "
-              f"({h['decode_tok_s'] / lim['decode_limit_tok_s']:.0%} reached); {lim['gemm_dtype'].split('.')[-1]} "
+        shares = ", ".join(f"{x:.0%}" for x in lim["decode_share_runs"])
+        print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s (probes {lim['read_gb_s_probes']}) over "
+              f"{lim['decode_weight_bytes'] / 1e6:.0f} MB of weights + {lim['decode_kv_bytes'] / 1e6:.0f} MB of KV a "
+              f"token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s ({lim['decode_share']:.0%} reached, "
+              f"median of runs {shares}); {lim['gemm_dtype'].split('.')[-1]} "
               f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} {rate} -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
               f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:

@@ -25,12 +25,22 @@ def median_time(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+class ReadProbe:
+    """A streaming read (a sum over `gib` GiB of fp32, far past every cache) on torch's threads, on
+    huge pages where the engine's weights would be (they read some 15% faster); the buffer is made
+    once, so the probe can be taken beside every run it is a limit for."""
+
+    def __init__(self, gib: float = 1.0):
+        n, arena = int(gib * (1 << 28)), HugePageArena.if_supported()
+        self.buf = (torch.empty(n) if arena is None else arena.empty((n,), torch.float32)).fill_(1.0)
+
+    def gb_s(self, runs: int = 5) -> float:
+        return self.buf.numel() * 4 / median_time(self.buf.sum, runs) / 1e9
+
+
 def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 5) -> float:
-    """GB/s of a streaming read (a sum over `gib` GiB of fp32, far past every cache) on torch's
-    threads, on huge pages where the engine's weights would be (they read some 15% faster)."""
-    n, arena = int(gib * (1 << 28)), HugePageArena.if_supported()
-    a = (torch.empty(n) if arena is None else arena.empty((n,), torch.float32)).fill_(1.0)
-    return a.numel() * 4 / median_time(a.sum, runs) / 1e9
+    """GB/s of a streaming read (ReadProbe)."""
+    return ReadProbe(gib).gb_s(runs)
 
 
 def gemm_gflop_s(dtype: torch.dtype, m: int = 512, k: int = 1536, n: int = 8960, runs: int = 5) -> float:
@@ -55,16 +65,19 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, params
 
 
-def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float) -> dict:
-    """Decode and prefill tok/s that a read bandwidth and a GEMM rate allow the model."""
+def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float, kv_bytes: int = 0) -> dict:
+    """Decode and prefill tok/s that a read bandwidth and a GEMM rate allow the model; a decode
+    token reads its linear weights plus `kv_bytes` of KV cache (its context's K and V)."""
     wbytes, params = weight_bytes(model)
-    return {"decode_weight_bytes": wbytes, "decode_limit_tok_s": round(read_gb_s * 1e9 / wbytes, 1),
+    return {"decode_weight_bytes": wbytes, "decode_kv_bytes": kv_bytes,
+            "decode_limit_tok_s": round(read_gb_s * 1e9 / (wbytes + kv_bytes), 1),
             "prefill_limit_tok_s": round(gemm_gflop_s * 1e9 / (2 * params), 1)}
 
 
-def limits(model, prefill_dtype: torch.dtype) -> dict:
+def limits(model, prefill_dtype: torch.dtype, bandwidth: float | None = None, kv_bytes: int = 0) -> dict:
     """Decode and prefill tok/s this machine allows the model now, with what they were computed from
-    (prefill_dtype: the unit prefill runs on, torch.int8 for the quantized kernels)."""
-    bandwidth, peak = read_bandwidth_gb_s(), gemm_gflop_s(prefill_dtype)
+    (prefill_dtype: the unit prefill runs on, torch.int8 for the quantized kernels; bandwidth:
+    GB/s measured beside the runs, else measured here)."""
+    bandwidth, peak = bandwidth or read_bandwidth_gb_s(), gemm_gflop_s(prefill_dtype)
     return {"read_gb_s": round(bandwidth, 1), "gemm_gflop_s": round(peak, 1), "gemm_dtype": str(prefill_dtype),
-            **tok_s_limits(model, bandwidth, peak)}
+            **tok_s_limits(model, bandwidth, peak, kv_bytes)}
