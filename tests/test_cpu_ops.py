@@ -49,6 +49,46 @@ def test_rope_and_kv_write_match_the_torch_ops():
                           torch.tensor([0, 1, 2, 3, 4, 48]), heads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_and_kv_write_round_into_a_16_bit_cache_as_torch_does(dtype):
+    """k and v land in an fp16 / bf16 cache as the fp32 op's values rounded by torch's .to()."""
+    torch.manual_seed(6)
+    t, heads, kvh, d = 5, 4, 2, 40  # 40: a tail after blocks of 8 in each row
+    rope = RotaryEmbedding(d, 128, 10000.0)
+    cos, sin = (c.reshape(t, -1).contiguous() for c in rope.cos_sin(torch.tensor([0, 9, 3, 77, 12]), torch.float32))
+    qkv, slots = torch.randn(t, (heads + 2 * kvh) * d) * 30, torch.tensor([4, 0, 7, 2, 9])
+    ref_k, ref_v = torch.zeros(10, kvh, d), torch.zeros(10, kvh, d)
+    k_cache, v_cache = torch.zeros(10, kvh, d, dtype=dtype), torch.zeros(10, kvh, d, dtype=dtype)
+    q_ref = ops.rope_kv_write(qkv, cos, sin, ref_k, ref_v, slots, heads)
+    q = ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    assert torch.equal(q, q_ref)  # q stays fp32
+    assert torch.equal(k_cache, ref_k.to(dtype)) and torch.equal(v_cache, ref_v.to(dtype))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rope_kv_write(qkv, cos, sin, k_cache, ref_v, slots, heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(12, 2, 128), (14, 2, 64), (9, 1, 16)])
+def test_native_attention_over_a_16_bit_cache_is_the_fp32_cache_of_its_values(dtype, heads, kvh, d):
+    """Over fp16 / bf16 pages the decode attention gives, bit for bit, what it gives over an fp32
+    cache holding the same (rounded) values: it widens the rows and runs the same fp32 passes."""
+    from hetserve.layers.attention import AttentionMetadata, attend_cached
+
+    torch.manual_seed(7)
+    ps, lens = 16, [1, 31, 33, 100, 257]
+    tables = [list(range(40 * i, 40 * i + 17)) for i in range(len(lens))]
+    k16, v16 = torch.randn(200 * ps, kvh, d).to(dtype), torch.randn(200 * ps, kvh, d).to(dtype)
+    q = torch.randn(len(lens), heads, d)
+
+    def meta():
+        return AttentionMetadata.build([1] * len(lens), lens, tables, ps, torch.device("cpu"))
+
+    wide = attend_cached(q, k16.float(), v16.float(), meta(), d ** -0.5, native=ops)
+    assert torch.equal(attend_cached(q, k16, v16, meta(), d ** -0.5, native=ops), wide)
+    # and the torch path (SDPA over the gathered rows, widened) agrees within fp32 rounding
+    torch.testing.assert_close(attend_cached(q, k16, v16, meta(), d ** -0.5), wide, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weight_format", ["fp32", "int8"])
 def test_model_gives_the_same_tokens_with_and_without_the_fused_ops(tiny_qwen2, weight_format):
     from hetserve import LLM, SamplingParams

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from test_routing_server import one_thread
 
 from hetserve.core.loading import load_engine
@@ -39,7 +40,8 @@ def run_split(a, b, prompts, p) -> tuple[list[list[int]], list[KVExport]]:
     exports, moved = [], []
     for r in reqs:
         x = export_request(a, r.request_id)
-        assert x.nbytes == 2 * len(x.k) * x.num_computed_tokens * x.num_kv_heads * x.head_dim * 4
+        itemsize = torch.finfo(getattr(torch, x.dtype)).bits // 8  # the sender's cache (fp16 by default)
+        assert x.nbytes == 2 * len(x.k) * x.num_computed_tokens * x.num_kv_heads * x.head_dim * itemsize
         moved.append(import_request(b, KVExport(**x.to_dict())))
         assert a.abort(r.request_id, RequestStatus.FINISHED_STOPPED)
         exports.append(x)

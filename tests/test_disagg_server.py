@@ -22,7 +22,7 @@ from test_server import Server
 def split(tiny_qwen2, tmp_path_factory):
     log = tmp_path_factory.mktemp("route") / "route.jsonl"
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--no-startup-profile",
-               "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=128KiB",
+               "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=64KiB",
                "--disaggregate", "prefill=cpu0,decode=cpu1", "--route-log", str(log))
     s.log = log
     yield s
@@ -72,7 +72,7 @@ def test_a_constrained_request_keeps_its_grammar_across_the_move(tiny_qwen2, spl
 
 
 def test_a_transfer_the_decoder_cannot_fit_fails_cleanly(split):
-    # 100 + 200 tokens fit cpu0's pool but not cpu1's (128KiB: 256 tokens of the tiny model)
+    # 100 + 200 tokens fit cpu0's pool but not cpu1's (64KiB: 256 tokens of the tiny model's fp16 cache)
     r = httpx.post(split.url + "/v1/completions", json={"prompt": [3] * 100, "max_tokens": 200, "ignore_eos": True},
                    timeout=60)
     assert r.status_code >= 400 and "KV transfer refused by cpu1" in r.json()["error"]["message"]
@@ -102,7 +102,7 @@ def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests
     prefilled on cpu0 and its KV relayed to cpu1, never acknowledged; cpu1 dies. Both requests
     fail with the worker named, and cpu0's pages (held until an acknowledgement) come back."""
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--no-startup-profile", "--inference-device",
-               "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=128KiB",
+               "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=64KiB",
                "--disaggregate", "prefill=cpu0,decode=cpu1")
 
     async def wait_for(c, line):

@@ -20,6 +20,9 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests running at once",
     "page_size": "tokens per KV page",
     "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",
+    "kv_cache_dtype": "the KV cache's element type: float32, float16, bfloat16, or auto (float16 on CPUs running "
+                      "the native kernels with quantized weights, as llama.cpp; else the model's dtype). A 16-bit "
+                      "cache holds twice the tokens in --kv-cache-memory and decode reads half the bytes of context",
     "scheduling_policy": "fcfs or shortest-prefill-first",
     "max_model_len": "context limit (default: the model's)",
     "kv_cache": "KV layout: paged, or contiguous (prompt + max_tokens reserved per request, for comparison)",

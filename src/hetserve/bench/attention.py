@@ -5,7 +5,9 @@ In a decode step every layer's K and V come from DRAM: the step's weights have s
 the caches since that layer last ran. So the cold figure is the one a step pays: each layer has
 its own caches, and a buffer larger than the last-level cache is written between passes. Warm
 repeats one layer's call with its K and V in cache: what the arithmetic alone costs. Reported:
-microseconds a layer (median and minimum of --repeats) and the K and V bytes read over that time.
+microseconds a layer (median and minimum of --repeats) and the K and V bytes read over that time,
+for each --kv-dtypes (the cache's element type: float16 / bfloat16 pages hold half the bytes and
+are widened to fp32 as they are read).
 The head shape comes from the model file (no weights are loaded); pages are consecutive, as the
 block pool hands them to one request.
 """
@@ -33,17 +35,17 @@ def head_shape(model: str) -> dict:
     return {"layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
-def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor) -> dict:
-    """Times of attend_rows over `n` tokens: cold (every layer's caches, `flush` written between
-    passes) and warm (layer 0's call repeated)."""
+def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict:
+    """Times of attend_rows over `n` tokens of a `dtype` cache: cold (every layer's caches, `flush`
+    written between passes) and warm (layer 0's call repeated)."""
     from ..layers.native import kernels
 
     k = kernels()
     H, KVH, D, L = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
     pages = (n + PAGE - 1) // PAGE
     gen = torch.Generator().manual_seed(n)
-    caches = [(torch.randn(pages * PAGE, KVH, D, generator=gen), torch.randn(pages * PAGE, KVH, D, generator=gen))
-              for _ in range(L)]
+    caches = [(torch.randn(pages * PAGE, KVH, D, generator=gen).to(dtype),
+               torch.randn(pages * PAGE, KVH, D, generator=gen).to(dtype)) for _ in range(L)]
     q, out = torch.randn(1, H, D, generator=gen), torch.empty(1, H * D)
     meta = (torch.tensor([0]), torch.tensor([n]), torch.arange(pages).view(1, -1).contiguous(), PAGE, D ** -0.5)
     cold, warm = [], []
@@ -59,8 +61,8 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor) -> dict:
         t = time.perf_counter()
         k.attend_rows(q, kc, vc, out, *meta)
         warm.append(time.perf_counter() - t)
-    kv_bytes = 2 * n * KVH * D * 4
-    row = {"context": n, "kv_bytes_per_layer": kv_bytes}
+    kv_bytes = 2 * n * KVH * D * dtype.itemsize
+    row = {"kv_dtype": str(dtype).removeprefix("torch."), "context": n, "kv_bytes_per_layer": kv_bytes}
     for name, ts in (("cold", cold), ("warm", warm)):
         row[f"{name}_us"] = round(statistics.median(ts) * 1e6, 1)
         row[f"{name}_min_us"] = round(min(ts) * 1e6, 1)
@@ -69,17 +71,19 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor) -> dict:
 
 
 def main(args) -> int:
+    from ..layers.dtypes import DTYPES
     from ..layers.native import describe
 
     shape = head_shape(args.model)
     contexts = sorted({int(c) for c in args.contexts.split(",")})
+    dtypes = [DTYPES[d] for d in args.kv_dtypes.split(",")]
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
-    rows = [measure(shape, n, args.repeats, flush) for n in contexts]
+    rows = [measure(shape, n, args.repeats, flush, dt) for n in contexts for dt in dtypes]
     print(f"{args.model}: decode attention a layer ({shape['heads']} query heads, {shape['kv_heads']} KV heads of "
           f"{shape['head_dim']}), {torch.get_num_threads()} threads, median of {args.repeats}\n{describe()}")
-    print(f"{'context':>8}{'cold us':>10}{'cold GB/s':>11}{'warm us':>10}{'warm GB/s':>11}")
+    print(f"{'context':>8}{'KV dtype':>10}{'cold us':>10}{'cold GB/s':>11}{'warm us':>10}{'warm GB/s':>11}")
     for r in rows:
-        print(f"{r['context']:>8}{r['cold_us']:>10.1f}{r['cold_gb_s']:>11.1f}{r['warm_us']:>10.1f}"
+        print(f"{r['context']:>8}{r['kv_dtype']:>10}{r['cold_us']:>10.1f}{r['cold_gb_s']:>11.1f}{r['warm_us']:>10.1f}"
               f"{r['warm_gb_s']:>11.1f}")
     if args.out:
         with open(args.out, "w") as fh:
@@ -93,5 +97,6 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
     add_model_flag(p)
     p.add_argument("--contexts", default="128,600,2000")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--kv-dtypes", default="float32", help="comma-separated cache dtypes: float32, float16, bfloat16")
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)

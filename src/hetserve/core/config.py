@@ -9,6 +9,10 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
 
+# --kv-cache-dtype: auto keeps the model's dtype; the others name layers/dtypes.DTYPES entries.
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+
+
 def parse_bytes(value: str | int) -> int:
     """'2GiB', '512MiB', '1.5G', 1048576 -> bytes."""
     if isinstance(value, int):
@@ -27,6 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     page_size: int = 16
     kv_cache_memory: str = "1GiB"
+    kv_cache_dtype: str = "auto"  # float32, float16, bfloat16; auto: fp16 with quantized CPU weights, else the model's
     scheduling_policy: str = "fcfs"  # or shortest-prefill-first
     max_model_len: int | None = None  # default: the model's context length
     kv_cache: str = "paged"  # or contiguous: each request reserves prompt + max_tokens up front
@@ -66,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if self.kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"unknown KV cache layout {self.kv_cache!r} (paged or contiguous)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
         if self.prefix_publish not in ("incremental", "completion"):
             raise ValueError(f"unknown prefix publication policy {self.prefix_publish!r} (incremental or completion)")
         if self.single_flight not in ("off", "at-completion", "after-prefill"):

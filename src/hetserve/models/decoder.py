@@ -124,6 +124,7 @@ class DecoderModel:
         self.lm_head = lm_head
         self.rope = rope
         self.dtype = dtype
+        self.kv_dtype = dtype  # the KV cache's (EngineConfig.kv_cache_dtype)
         self.device = device
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.load_seconds = 0.0
@@ -267,13 +268,13 @@ class DecoderModel:
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         shape = (num_slots, c.num_kv_heads, c.head_dim)
-        dt = dtype or self.dtype
+        dt = dtype or self.kv_dtype
         return [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
                 for _ in range(c.num_layers)]
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.dtype).bits // 8
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.kv_dtype).bits // 8
 
     def use_fused_ops(self, enable: bool = True, layers: bool = True) -> bool:
         """Whether forward uses the native fused CPU ops (fp32 on a CPU with the extension): one
