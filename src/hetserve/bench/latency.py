@@ -73,7 +73,6 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
     res = _median_rates(samples, args.prompt_tokens, args.output_tokens)
     res["load_s"] = round(load_s, 2)
     if probe:
-        del probe
         unit = {"bf16": torch.bfloat16, "kernel": torch.int8}.get(llm.config.prefill_format, torch.float32)
         # A decode token reads the K and V of its context: on average the prompt and half the output.
         kv = llm.model.kv_bytes_per_token() * (args.prompt_tokens + args.output_tokens // 2)

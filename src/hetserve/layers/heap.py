@@ -3,10 +3,11 @@
 A prefill step allocates and frees tensors of tens of MB every layer (the 1.5B's gate/up output
 for a 512-token chunk is 37 MB). glibc serves an allocation that large with a fresh mmap (its
 dynamic threshold stops at 32 MB) and returns freed heap tops to the kernel past a trim threshold,
-so every step touched new pages: some 250k page faults, 1 GB of zeroed pages, per 512-token prefill
-of the 1.5B, a fifth of its time. With both thresholds raised the freed memory stays mapped and
-the next step's tensors land on pages already faulted in. Memory is bounded as before by the
-step's largest working set (the same tensors, reused), as in PyTorch's caching GPU allocator.
+so every step touched new pages: some 250k page faults, 1 GB of zeroed pages, per 512-token
+prefill of the 1.5B, which ran 1.13x faster without them. With both thresholds raised the freed
+memory stays mapped and the next step's tensors land on pages already faulted in. Memory is
+bounded as before by the step's largest working set (the same tensors, reused), as in PyTorch's
+caching GPU allocator.
 """
 
 from __future__ import annotations
