@@ -124,7 +124,6 @@ inline void rotate(const float* x, const float* c, const float* s, float* out, i
   }
 }
 
-
 // The caches' element types: fp32, or fp16 / bf16 (half the bytes a step reads; the attention
 // widens each row to fp32 before it computes).
 void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
@@ -446,13 +445,10 @@ constexpr ValuesFn<T> kHeadValues[2][8] = {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     {head_values_wide<1, T>, head_values_wide<2, T>, head_values_wide<3, T>, head_values_wide<4, T>,
      head_values_wide<5, T>, head_values_wide<6, T>, head_values_wide<7, T>, head_values_wide<8, T>}};
+constexpr int64_t kWideValues = 32;
 #else
     {head_values<1, 2, T>, head_values<2, 2, T>, head_values<3, 2, T>, head_values<4, 2, T>,
      head_values<5, 2, T>, head_values<6, 2, T>, head_values<7, 1, T>, head_values<8, 1, T>}};
-#endif
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-constexpr int64_t kWideValues = 32;
-#else
 constexpr int64_t kWideValues = 16;
 #endif
 
@@ -512,7 +508,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         prefetch_start(krow.data(), n, D);
         for (int64_t j0 = 0; j0 < g; j0 += 8)
           kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, krow.data(), vrow.data(), n, D, sc,
-                                                        p.data() + j0 * n);
+                                                           p.data() + j0 * n);
         float inv_sum[64];
         for (int64_t j = 0; j < g; ++j) {
           float* pj = p.data() + j * n;
