@@ -327,6 +327,7 @@ struct Int8Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 8 * 64;
   static constexpr int kRows = kMaxRows;
+  static constexpr int kPrefetchRows = 3;  // see kPrefetchL1
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -361,6 +362,7 @@ struct Int8Weights {
 struct Int4Weights {
   static constexpr bool kHasMin = true;
   static constexpr int64_t kBytes = 4 * 64;
+  static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
@@ -396,6 +398,7 @@ struct Int4Weights {
 struct Int5Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
+  static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
   const uint8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
@@ -451,6 +454,7 @@ struct Int5Weights {
 struct Int6KWeights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 4 * 64 + 2 * 64 + 32;
+  static constexpr int kPrefetchRows = 1;
   // Two sums a row (one per sub-scale) and the 8 unpacked vectors leave AVX-512's 32 registers
   // room for 6 rows: at 8 they spilled (1.6x slower); summing the halves one after the other
   // fit 8 rows but was no faster at 8 and 5-10% slower at 5 and 512.
@@ -528,6 +532,12 @@ struct Int6KWeights {
 // into L2 made single-stream decode 4-7% faster on the 0.5B and 6-24% on the 1.5B than 4 KiB
 // (one process, the distances alternated between generations; 2 KiB into L1 or 12-16 KiB
 // into L2 were no better), and 4-row kernels 3-13%. Not re-measured on the Xeon.
+// int8 at 1 and 2 rows is the exception (W::kPrefetchRows): its group is the least work a byte
+// (a load, an xor and a vpdpbusd a vector), and 16 prefetches a group held the AVX-512 kernel
+// back. On the Zen 4, weights on huge pages (as the engine places them), one process, the two
+// alternated: 1 row 28.6 against 23.3 GB/s (the read probe at 30) and 44 against 33 (probe at
+// 55); the 0.5B's linears at 1 row (its Q8_0 output head is 37% of their bytes) 1.135x; on AVX2
+// the same or faster. From 3 rows on its prefetches pay again (4 rows 28.5 against 27.1).
 // Prefetches never fault, so the last panels' reach past the end is harmless.
 constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 8192;
 
@@ -542,10 +552,11 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
     for (int r = 0; r < R; ++r) acc[h][r] = zerof();
   for (int64_t g = 0; g < w.G; ++g) {
     const char* here = reinterpret_cast<const char*>(w.group(p, g));
-    for (int64_t l = 0; l < W::kBytes; l += 64) {
-      _mm_prefetch(here + kPrefetchL2 + l, _MM_HINT_T1);
-      _mm_prefetch(here + kPrefetchL1 + l, _MM_HINT_T0);
-    }
+    if constexpr (R >= W::kPrefetchRows)
+      for (int64_t l = 0; l < W::kBytes; l += 64) {
+        _mm_prefetch(here + kPrefetchL2 + l, _MM_HINT_T1);
+        _mm_prefetch(here + kPrefetchL1 + l, _MM_HINT_T0);
+      }
     VI dots[kHalves][R];
     w.template dots<R>(p, g, x, dots);
     for (int h = 0; h < kHalves; ++h) {
