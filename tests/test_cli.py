@@ -171,6 +171,9 @@ def test_info_names_the_cpu_and_what_auto_picks():
         assert "amx_bf16" not in flags and ("avx512_vnni" in flags or "avx512_bf16" not in flags)
     if info["prefill_format"] == "bf16":
         assert {"amx_bf16", "avx512_bf16"} & set(info["cpu_flags"])
+    # fp16 where the native attention reads quantized weights' caches, else the model's fp32
+    assert info["kv_cache_dtype"] == ("float16" if info["native_kernels"] and info["weight_format"] != "fp32"
+                                      else "float32")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp32"])

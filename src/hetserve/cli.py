@@ -231,6 +231,7 @@ def cmd_info(args) -> int:
     """What this machine runs: the CPU, the native kernel variant and the formats `auto` picks."""
     import torch
 
+    from .core.loading import auto_kv_dtype
     from .layers import native
     from .layers.huge_pages import thp_mode
     from .layers.prefill_formats import resolve_prefill_format
@@ -238,6 +239,7 @@ def cmd_info(args) -> int:
 
     weights = resolve_weight_format("auto", "cpu")
     prefill = resolve_prefill_format("auto", "cpu", weights, torch.float32)
+    kv = auto_kv_dtype(native.available(), torch.float32, weights)
     info = {
         "cpu": native.cpu_name(),
         "cpu_flags": sorted(f for f in native.cpu_features() if f.startswith(("avx", "amx", "fma", "f16c"))),
@@ -248,6 +250,7 @@ def cmd_info(args) -> int:
         "native_variants_supported": native.supported_variants(),
         "weight_format": weights,
         "prefill_format": prefill,
+        "kv_cache_dtype": str(kv).removeprefix("torch."),
         "transparent_huge_pages": thp_mode(),
         "cuda": torch.cuda.is_available(),
     }

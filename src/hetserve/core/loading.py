@@ -118,15 +118,19 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
 
 
 def _kv_dtype(config: EngineConfig, model: DecoderModel) -> torch.dtype:
+    if config.kv_cache_dtype != "auto":
+        return DTYPES[config.kv_cache_dtype]
+    return auto_kv_dtype(model.fused is not None, model.dtype, config.weight_format)
+
+
+def auto_kv_dtype(fused_ops: bool, model_dtype: torch.dtype, weight_format: str) -> torch.dtype:
     """--kv-cache-dtype auto: fp16 where the native CPU attention reads it (fp32 model, fused ops)
     and the weights are quantized, as llama.cpp's default cache: half the bytes and twice the
     tokens, perplexity within 0.02% (tests/test_kv_dtype.py); exact fp32 weights keep an exact
     fp32 cache; elsewhere the model's dtype."""
-    if config.kv_cache_dtype != "auto":
-        return DTYPES[config.kv_cache_dtype]
-    if model.fused is not None and model.dtype == torch.float32 and config.weight_format != "fp32":
+    if fused_ops and model_dtype == torch.float32 and weight_format != "fp32":
         return torch.float16
-    return model.dtype
+    return model_dtype
 
 
 def _logit_rows(f: GGUFFile) -> int:
