@@ -537,7 +537,8 @@ struct Int6KWeights {
 // back. On the Zen 4, weights on huge pages (as the engine places them), one process, the two
 // alternated: 1 row 28.6 against 23.3 GB/s (the read probe at 30) and 44 against 33 (probe at
 // 55); the 0.5B's linears at 1 row (its Q8_0 output head is 37% of their bytes) 1.135x; on AVX2
-// the same or faster. From 3 rows on its prefetches pay again (4 rows 28.5 against 27.1).
+// the same from memory (within the rounds' spread) and faster from L3. From 3 rows on its
+// prefetches pay again (4 rows 28.5 against 27.1).
 // Prefetches never fault, so the last panels' reach past the end is harmless.
 constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 8192;
 
