@@ -60,6 +60,7 @@ def test_the_real_model_scores_text_as_with_an_fp32_cache(real_llm, dtype, bound
 
     model = real_llm.model
     ids = real_llm.tokenizer.encode((DATA / "perplexity.txt").read_text())
+    assert model.kv_dtype == torch.float32  # the fixture's fp32 weights keep an fp32 cache: the reference
     ref = token_logprobs(model, ids, chunk=16)
     model.kv_dtype = dtype
     try:

@@ -239,14 +239,15 @@ def cmd_info(args) -> int:
 
     weights = resolve_weight_format("auto", "cpu")
     prefill = resolve_prefill_format("auto", "cpu", weights, torch.float32)
-    kv = auto_kv_dtype(native.available(), torch.float32, weights)
+    has_kernels = native.available()
+    kv = auto_kv_dtype(has_kernels, torch.float32, weights)
     info = {
         "cpu": native.cpu_name(),
         "cpu_flags": sorted(f for f in native.cpu_features() if f.startswith(("avx", "amx", "fma", "f16c"))),
         "torch": torch.__version__,
         "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "threads": torch.get_num_threads(),
-        "native_kernels": native.variant() if native.available() else None,
+        "native_kernels": native.variant() if has_kernels else None,
         "native_variants_supported": native.supported_variants(),
         "weight_format": weights,
         "prefill_format": prefill,

@@ -9,7 +9,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
 
-# --kv-cache-dtype: auto (core/loading._kv_dtype decides), or one of layers/dtypes.DTYPES' names.
+# --kv-cache-dtype: auto (core/loading.auto_kv_dtype decides), or one of layers/dtypes.DTYPES' names.
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 
 

@@ -326,8 +326,8 @@ __attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI
 struct Int8Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 8 * 64;
-  static constexpr int kRows = kMaxRows;
   static constexpr int kPrefetchRows = 3;  // see kPrefetchL1
+  static constexpr int kRows = kMaxRows;
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
