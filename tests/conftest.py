@@ -34,6 +34,16 @@ def tiny_llama(tiny_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_kquants(tiny_dir) -> str:
+    """A tiny qwen2 whose layers' matrices are Q5_K, Q5_1 and Q4_1 in turn (widths of 256 and 512,
+    as Q5_K's super-blocks need): the `gguf` format's q5_1 and int4 kernels on a file's blocks."""
+    path = tiny_dir / "tiny-kquants.gguf"
+    if not path.exists():
+        write_tiny_gguf(path, "qwen2", hidden=256, ffn=512, n_heads=4, n_kv_heads=2, qtypes=("Q5_K", "Q5_1", "Q4_1"))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def real_05b() -> str:
     """Path of the real Qwen2.5-Coder-0.5B GGUF: pulled into the cache on first use, then reused."""
     from hetserve.models import registry

@@ -14,7 +14,9 @@ from hetserve.models.gguf_quants import SUPPORTED_TYPES, dequantize, tensor_nbyt
 # Random bytes there could spell NaN/inf, which would make the comparison moot.
 SCALE_FIELDS = {
     T.Q4_0: [(0, 2, np.float16)],
+    T.Q4_1: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q5_0: [(0, 2, np.float16)],
+    T.Q5_1: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q8_0: [(0, 2, np.float16)],
     T.Q4_K: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q5_K: [(0, 2, np.float16), (2, 4, np.float16)],
@@ -50,7 +52,7 @@ def random_bytes(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarra
 
 def test_supported_types():
     assert SUPPORTED_TYPES == {
-        T.F32, T.F16, T.BF16, T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K,
+        T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K,
     }
     assert set(SCALE_FIELDS) | set(FLOAT_TYPES) == SUPPORTED_TYPES
 
@@ -115,4 +117,4 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError):
         dequantize(torch.zeros(34, dtype=torch.int8), T.Q8_0, (32,))
     with pytest.raises(NotImplementedError):
-        dequantize(torch.zeros(20, dtype=torch.uint8), T.Q4_1, (32,))
+        dequantize(torch.zeros(18, dtype=torch.uint8), T.IQ4_NL, (32,))

@@ -114,13 +114,13 @@ def test_kernel_variants_give_the_same_bits(variant):
         assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d)
     from test_weight_formats import file_format
 
-    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q6_k", 4864), ("q6_k", 512)]:
+    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q5_1", 768), ("q5_1", 256), ("q6_k", 4864), ("q6_k", 512)]:
         qw = file_format(fmt, 67, k, seed=k)[0]
         b = torch.randn(67)
         for m in (1, 2, 3, 4, 5, 17):
             x = torch.randn(m, k)
             for passes in (1, 2):
-                args = (x, qw.q, qw.scale, qw.rows, b, passes)
+                args = (x, qw.q, qw.scale, *((qw.min,) if qw.has_min else ()), qw.rows, b, passes)
                 assert torch.equal(getattr(ours, f"{fmt}_linear")(*args), getattr(portable, f"{fmt}_linear")(*args))
 
 

@@ -32,6 +32,16 @@ def test_native_layers_give_the_per_op_paths_tokens_and_logprobs(tiny_qwen2, tin
     assert native_out == per_op_out
 
 
+def test_native_layers_run_five_bit_and_q4_1_blocks(tiny_kquants):
+    """A file of Q5_K, Q5_1 and Q4_1 matrices: its fused QKV and gate/up mix q5_1 and int4 parts,
+    and the native layers still give the per-op path's tokens and log-probabilities."""
+    native_out, native_model = _run(tiny_kquants, True, weight_format="gguf")
+    per_op_out, _ = _run(tiny_kquants, False, weight_format="gguf")
+    formats = {lin.qweight.fmt for lin in native_model.linears() if lin is not native_model.lm_head}
+    assert {"q5_1", "q5_1+int4", "int4+q5_1"} & formats and native_model._native_plan
+    assert native_out == per_op_out
+
+
 def test_native_layers_take_the_second_activation_pass(tiny_qwen2):
     a, _ = _run(tiny_qwen2, True, weight_format="int4", activation_rounding="int8x2")
     b, _ = _run(tiny_qwen2, False, weight_format="int4", activation_rounding="int8x2")

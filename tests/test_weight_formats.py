@@ -30,7 +30,7 @@ def _reference(x: torch.Tensor, qw, bias: torch.Tensor | None) -> torch.Tensor:
     xq, d, xs = _quantize_rows(x)
     wq = qw.group_values().double()
     y = torch.einsum("mgj,ngj,mg,ng->mn", xq, wq, d, qw.group_scales().double())
-    if qw.fmt == "int4":
+    if qw.has_min:
         y = y + torch.einsum("mg,ng->mn", xs, qw.group_mins().double())
     return y if bias is None else y + bias.double()
 
@@ -61,6 +61,7 @@ def test_quantizer_keeps_the_format(fmt):
 # Rows: the kernels' tiles (up to 8 rows with AVX-512, 6 for q6_k; 4 with AVX2), their remainders,
 # several tiles.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17]
+FILE_FORMATS = ["q5_0", "q5_1", "q6_k"]  # a GGUF's blocks as they are (file_format below)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -110,7 +111,7 @@ def test_kernel_is_batch_invariant(fmt, k):
     assert torch.equal(qw.matmul(x[3:9], None), full[3:9])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", *FILE_FORMATS])
 def test_two_activation_passes_carry_the_row_to_about_15_bits(fmt):
     """activation_rounding int8x2: a second int8 pass over what the first rounding left. Against
     the exact product with the stored weights (float64), its error is far below one pass's, on
@@ -118,7 +119,7 @@ def test_two_activation_passes_carry_the_row_to_about_15_bits(fmt):
     gives inside a batch; the bias is added once."""
     torch.manual_seed(11)
     n, k = 96, 512
-    qw = file_format(fmt, n, k, seed=3)[0] if fmt in ("q5_0", "q6_k") else quantize(torch.randn(n, k), fmt)
+    qw = file_format(fmt, n, k, seed=3)[0] if fmt in FILE_FORMATS else quantize(torch.randn(n, k), fmt)
     w = qw.dequantize().double()
     x = torch.randn(7, k)
     x[:, 5] *= 40  # one large channel: its group's scale leaves the rest of the group few levels
@@ -133,25 +134,39 @@ def test_two_activation_passes_carry_the_row_to_about_15_bits(fmt):
         assert torch.equal(qw.matmul(x[i:i + 1], b, 2), qw.matmul(x, b, 2)[i:i + 1])
 
 
-def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False):
-    """A q5_0 or q6_k weight from GGUF blocks (gguf's own quantizer for Q5_0; random valid blocks
-    for Q6_K, which it lacks), the file's dequantized tensor and the file's bytes. extreme: every
-    weight at the format's largest magnitude (Q5_0: q 31; Q6_K: q 0 with sub-scale -128)."""
+def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False, qtype: str | None = None):
+    """A q5_0, q5_1 or q6_k weight from GGUF blocks (gguf's own quantizer for Q5_0 and Q5_1; random
+    valid blocks for Q5_K and Q6_K, which it lacks; qtype picks q5_1's source, Q5_K by default),
+    the file's dequantized tensor and the file's bytes. extreme: every weight at the format's
+    largest magnitude (Q5_0: q 31; Q5_1, Q5_K: q 31 with the largest scales; Q6_K: q 0 with
+    sub-scale -128)."""
     import gguf
 
-    from hetserve.layers.weight_formats import q5_0_from_integers, q6_k_from_integers
-    from hetserve.models.gguf_quants import dequantize, integer_blocks, q6_k_blocks
+    from hetserve.layers.weight_formats import q5_0_from_integers, q5_1_from_integers, q6_k_from_integers
+    from hetserve.models.gguf_quants import dequantize, five_bit_blocks, integer_blocks, q6_k_blocks
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    if fmt == "q5_0":
+    t = {"q5_0": T.Q5_0, "q6_k": T.Q6_K, "q5_1": T[qtype or "Q5_K"]}[fmt]
+    if t in (T.Q5_0, T.Q5_1):
         w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
-        blocks = gguf.quants.quantize(w, T.Q5_0).reshape(-1, 22).view(np.uint8).copy()
+        size = gguf.GGML_QUANT_SIZES[t][1]
+        blocks = gguf.quants.quantize(w, t).reshape(-1, size).view(np.uint8).copy()
         if extreme:
-            blocks[:, 2:] = 0xFF
+            blocks[:, 2 if t == T.Q5_0 else 4:] = 0xFF
         raw = torch.from_numpy(blocks.reshape(-1))
-        q, d = integer_blocks(raw, T.Q5_0, (n, k))
-        qw = q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)
+        if t == T.Q5_0:
+            q, d = integer_blocks(raw, t, (n, k))
+            qw = q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)
+        else:
+            qw = q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
+    elif t == T.Q5_K:
+        blocks = rng.integers(0, 256, (n * k // 256, 176), dtype=np.uint8)
+        blocks[:, 0:4] = rng.uniform(1e-3, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+        if extreme:
+            blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, every q 31
+        raw = torch.from_numpy(blocks.reshape(-1))
+        qw = q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
     else:
         blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
         blocks[:, 208:210] = rng.uniform(1e-3, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
@@ -160,8 +175,26 @@ def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False):
             blocks[:, 192:208] = 0x80
         raw = torch.from_numpy(blocks.reshape(-1))
         qw = q6_k_from_integers(*q6_k_blocks(raw, T.Q6_K, (n, k)))
-    t = T.Q5_0 if fmt == "q5_0" else T.Q6_K
     return qw, dequantize(raw, t, (n, k)), raw.numel()
+
+
+
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q5_K"])
+@pytest.mark.parametrize("k", [256, 768])
+def test_q5_1_holds_q5_1_exactly_and_q5_k_with_fp16_scales(qtype, k):
+    """Q5_1 blocks are q5_1 as they are (its fp16 d and m), in as many bytes; Q5_K's d * sc and
+    dmin * m become fp16 scale and min: within fp16's rounding of them (2^-11 relative), at 6 bits
+    a weight against the file's 5.5."""
+    qw, ref, nbytes = file_format("q5_1", 32, k, seed=k, qtype=qtype)
+    assert qw.fmt == "q5_1" and qw.rows == 32 and qw.nbytes == 32 * k // 32 * (20 + 4)
+    if qtype == "Q5_1":
+        assert torch.equal(qw.dequantize(), ref) and qw.nbytes == nbytes
+    else:
+        # Each of scale and min rounded to fp16 moves a weight q * scale + min by at most 2^-11 of
+        # |min| + 31 |scale|.
+        scale, mn = (t.float().abs().repeat_interleave(GROUP, dim=1) for t in (qw.group_scales(), qw.group_mins()))
+        assert ((qw.dequantize() - ref).abs() <= 2 ** -11 * 1.01 * (mn + 31 * scale) + 1e-7).all()
+        assert qw.nbytes == nbytes * 6 // 5.5
 
 
 @pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
@@ -173,11 +206,12 @@ def test_file_formats_hold_the_files_blocks_at_their_size(fmt, k):
     assert qw.nbytes == nbytes  # 32 rows fill whole panels of 16
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", FILE_FORMATS)
 @pytest.mark.parametrize("m", ROWS)
 def test_file_format_kernels_compute_the_stated_math(fmt, m):
-    k = 896 if fmt == "q5_0" else 768
-    qw, ref_w, _ = file_format(fmt, 70, k, seed=m)
+    qtype = ("Q5_1" if m % 2 else "Q5_K") if fmt == "q5_1" else None  # q5_1 from both sources
+    k = 896 if fmt == "q5_0" or qtype == "Q5_1" else 768
+    qw, ref_w, _ = file_format(fmt, 70, k, seed=m, qtype=qtype)
     torch.manual_seed(m)
     x, b = torch.randn(m, k), torch.randn(70)
     for bias in (None, b):
@@ -188,20 +222,20 @@ def test_file_format_kernels_compute_the_stated_math(fmt, m):
     assert (qw.matmul(x, b) - exact).norm() / exact.norm() < 0.01  # only the activations are rounded
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", FILE_FORMATS)
 @pytest.mark.parametrize("m", [1, 4, 5])
 def test_file_format_sums_are_exact_at_the_extremes(fmt, m):
     """Every weight at its largest magnitude against |x| 127 everywhere: no 16-bit sum saturates and
     q6_k's group sums (up to 32 * 32 * 128 * 127, just under 2^24) stay exact."""
     qw, _, _ = file_format(fmt, 6, 512, extreme=True)
-    assert (qw.group_values().abs() == (15 if fmt == "q5_0" else 32 * 128)).all()
+    assert (qw.group_values().abs() == {"q5_0": 15, "q5_1": 31, "q6_k": 32 * 128}[fmt]).all()
     x = torch.ones(m, 512)
     x[m // 2:] *= -1
     y, ref = qw.matmul(x, None), _reference(x, qw, None)
     assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", FILE_FORMATS)
 def test_file_format_kernels_are_batch_invariant(fmt):
     qw, _, _ = file_format(fmt, 64, 512, seed=3)
     torch.manual_seed(1)
@@ -212,14 +246,14 @@ def test_file_format_kernels_are_batch_invariant(fmt):
     assert torch.equal(qw.matmul(x[3:9], None), full[3:9])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", *FILE_FORMATS])
 def test_kernels_give_the_same_bits_whichever_thread_takes_a_panel(fmt):
     """Threads share a kernel's panels (each walks its own range, a thread done early takes panels
     from the back of another's): every thread count, and 5 threads on this machine's few cores,
     where descheduled threads have their panels taken, give the one-thread result bit for bit,
     every output computed (an odd panel count, with a partial last panel)."""
     n, k = 16 * 37 + 5, 512
-    if fmt in ("q5_0", "q6_k"):
+    if fmt in FILE_FORMATS:
         qw, _, _ = file_format(fmt, n, k, seed=4)
     else:
         torch.manual_seed(4)
@@ -577,6 +611,53 @@ def test_nibble_blocks_are_the_files_weights(qtype):
         # Only fp16 rounding of each group's scale and min: |error| <= 2^-11 (15 |scale| + |min|).
         bound = 2.0 ** -11 * (15 * qw.group_scales().float().abs() + qw.group_mins().float().abs()) * 1.001
         assert ((qw.dequantize() - ref).view(8, 16, 32).abs().amax(-1) <= bound).all()
+
+
+def test_model_gguf_takes_five_bit_and_q4_1_blocks(tiny_kquants):
+    """`gguf` on a file of Q5_K, Q5_1 and Q4_1 matrices: Q5_1 and Q5_K go to q5_1, Q4_1 to int4,
+    each row block holding the file's dequantized weights (Q5_1 and Q4_1 exactly; Q5_K within fp16's
+    rounding of its scales and mins), and the model's logits differ from the fp32 model's by the
+    activations' rounding."""
+    import gguf
+
+    from hetserve.layers.attention import AttentionMetadata
+    from hetserve.layers.weight_formats import StackedWeight
+    from hetserve.models.decoder import DecoderModel
+    from hetserve.models.gguf_loader import GGUFFile
+
+    T = gguf.GGMLQuantizationType
+    model = DecoderModel.from_gguf(tiny_kquants)
+    ids = torch.arange(20) % 300 + 5
+
+    def logits():
+        kv = model.allocate_kv_cache(32)
+        meta = AttentionMetadata.build([20], [20], [list(range(8))], 4, model.device, per_query=True)
+        return model.compute_logits(model.forward(ids, torch.arange(20), meta, kv))
+
+    exact = logits()
+    model.quantize_weights("gguf")
+    seen = set()
+    with GGUFFile(tiny_kquants) as f:
+        for lin in model.layers[0].qkv, *(x for layer in model.layers for x in (layer.o, layer.gate_up, layer.down)):
+            parts = lin.qweight.parts if isinstance(lin.qweight, StackedWeight) else [lin.qweight]
+            deq = torch.cat([p.dequantize() for p in parts])
+            row = 0
+            for name, _ in lin.source:
+                info = f.tensors[name]
+                want, got = lin.weight[row:row + info.shape[0]], deq[row:row + info.shape[0]]
+                row += info.shape[0]
+                seen.add(info.qtype)
+                if info.qtype == T.Q5_K:
+                    assert (got - want).abs().max() <= 2 ** -10 * want.abs().max()
+                else:
+                    assert torch.equal(got, want), (lin.name, info.qtype.name)
+            assert {p.fmt for p in parts} <= {"q5_1", "int4"}
+    assert seen == {T.Q5_K, T.Q5_1, T.Q4_1}
+    # One int8 pass over each activation row costs this random model's logits about 6%; two
+    # passes (about 15 bits) leave what the weights add, Q5_K's fp16 scales alone.
+    assert (logits() - exact).norm() / exact.norm() < 0.1
+    model.policy.activation_passes = 2
+    assert (logits() - exact).norm() / exact.norm() < 0.01  # int4, re-quantizing every matrix: 0.43
 
 
 def test_int4_min_term_uses_the_rounded_activations():

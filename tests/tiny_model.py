@@ -38,6 +38,34 @@ Once upon a time there was a small model that wanted to be served quickly.
 """
 
 
+def quantize_q5_k(arr: np.ndarray) -> np.ndarray:
+    """A float32 matrix [rows, K] (K a multiple of 256) as Q5_K blocks [rows, K / 256 * 176], which
+    gguf's numpy quantizers lack: per 32 elements a 6-bit scale and min under the super-block's fp16
+    d and dmin, then 5-bit values (a plain rounding, not llama.cpp's search for the best scales)."""
+    rows, k = arr.shape
+    x = arr.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 31
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (-lo.min(-1) / 63).astype(np.float16)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(-lo, mf, out=np.zeros_like(lo), where=mf > 0)), 0, 63).astype(np.uint8)
+    step, offset = (df * sc)[..., None], (mf * m)[..., None]
+    q = np.clip(np.round(np.divide(x + offset, step, out=np.zeros_like(x), where=step > 0)), 0, 31).astype(np.uint8)
+    out = np.zeros((len(x), 176), dtype=np.uint8)
+    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = dmin.reshape(-1, 1).view(np.uint8)
+    # 12 bytes: scales and mins 0-3 (low 6 bits, with the top 2 bits of 4-7), then 4-7's low nibbles.
+    out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    out[:, 16:48] = (((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[:, None]).sum(1, dtype=np.uint8)  # qh
+    nib = q & 0x0F  # 4 runs of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 in the high
+    out[:, 48:176] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).reshape(-1, 128)
+    return out.reshape(rows, -1)
+
+
 @functools.lru_cache(maxsize=4)
 def _bpe_vocab(pre: str, vocab_size: int = 400) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Train a byte-level BPE (the same pre-tokenizer family as qwen2/llama3) on a fixed corpus."""
@@ -81,10 +109,12 @@ def write_tiny_gguf(
     scale: float = 0.2,
     noise: float = 0.0,
     chat_template: str = CHATML_TEMPLATE,
+    qtypes: tuple[str, ...] = (),
 ) -> str:
     """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16.
     noise > 0 adds N(0, noise * scale) to every matrix of the seed's model: a related model (a
-    speculative draft that agrees with the noise-free one on some tokens)."""
+    speculative draft that agrees with the noise-free one on some tokens). qtypes: GGML types the
+    layers' matrices take in turn instead (Q5_K needs widths that are multiples of 256)."""
     pre = "qwen2" if arch == "qwen2" else "llama-bpe"
     tokens, merges = _bpe_vocab(pre)
     tokens = list(tokens) + SPECIALS
@@ -127,15 +157,24 @@ def write_tiny_gguf(
     def add(name, arr, fmt="f32"):
         if noise and arr.ndim == 2:
             arr = arr + (noise_rng.standard_normal(arr.shape) * noise * np.abs(arr).mean()).astype(np.float32)
-        if fmt == "q8_0":
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if fmt == "Q5_K":
+            q = quantize_q5_k(arr)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+        elif fmt.upper() in ("Q8_0", "Q4_1", "Q5_1", "Q5_0", "Q4_0"):
+            t = gguf.GGMLQuantizationType[fmt.upper()]
+            q = gguf.quants.quantize(arr, t)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
         elif fmt == "f16":
             w.add_tensor(name, arr.astype(np.float16))
         else:
             w.add_tensor(name, arr)
 
     qfmt = "q8_0" if quantized else "f32"
+    turns = iter(qtypes * (7 * n_layers)) if qtypes else None
+
+    def layer_fmt(default):
+        return next(turns) if turns else default
+
     add("token_embd.weight", mat(vocab, hidden, 1.0), "f16" if quantized else "f32")
     add("output_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     if not tied:
@@ -144,17 +183,17 @@ def write_tiny_gguf(
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
         add(p + "ffn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        add(p + "attn_q.weight", mat(n_heads * head_dim, hidden), qfmt)
-        add(p + "attn_k.weight", mat(n_kv_heads * head_dim, hidden), qfmt)
-        add(p + "attn_v.weight", mat(n_kv_heads * head_dim, hidden), "f16" if quantized else "f32")
-        add(p + "attn_output.weight", mat(hidden, n_heads * head_dim), qfmt)
+        add(p + "attn_q.weight", mat(n_heads * head_dim, hidden), layer_fmt(qfmt))
+        add(p + "attn_k.weight", mat(n_kv_heads * head_dim, hidden), layer_fmt(qfmt))
+        add(p + "attn_v.weight", mat(n_kv_heads * head_dim, hidden), layer_fmt("f16" if quantized else "f32"))
+        add(p + "attn_output.weight", mat(hidden, n_heads * head_dim), layer_fmt(qfmt))
         if arch == "qwen2":
             add(p + "attn_q.bias", (0.1 * rng.standard_normal(n_heads * head_dim)).astype(np.float32))
             add(p + "attn_k.bias", (0.1 * rng.standard_normal(n_kv_heads * head_dim)).astype(np.float32))
             add(p + "attn_v.bias", (0.1 * rng.standard_normal(n_kv_heads * head_dim)).astype(np.float32))
-        add(p + "ffn_gate.weight", mat(ffn, hidden), qfmt)
-        add(p + "ffn_up.weight", mat(ffn, hidden), qfmt)
-        add(p + "ffn_down.weight", mat(hidden, ffn), qfmt)
+        add(p + "ffn_gate.weight", mat(ffn, hidden), layer_fmt(qfmt))
+        add(p + "ffn_up.weight", mat(ffn, hidden), layer_fmt(qfmt))
+        add(p + "ffn_down.weight", mat(hidden, ffn), layer_fmt(qfmt))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

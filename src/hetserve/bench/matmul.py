@@ -2,7 +2,7 @@
 
 Loads the model as the engine does (--weight-format, --prefill-format) and times, at each row
 count, every linear of one step through each path the engine can give it: the quantized kernel
-on the weight's own format (int8, int4, q5_0, q6_k), the GEMM that steps past --quant-max-rows
+on the weight's own format (int8, int4, q5_0, q5_1, q6_k), the GEMM that steps past --quant-max-rows
 run (bf16 on CPUs with native bf16, else fp32) and, for linears with fp32 weights only, one
 matrix-vector product per row (--gemv-max-rows). The linears run in model order, each layer
 its own matrix, so their weights stream from memory as in a real step.

@@ -1,4 +1,4 @@
-"""The package's native CPU extension (csrc/): int8/int4/q5_0/q6_k linear kernels and quantizers
+"""The package's native CPU extension (csrc/): int8/int4/q5_0/q5_1/q6_k linear kernels and quantizers
 (qlinear.cpp), the fixed-order fp32 linear of deterministic mode (f32linear.cpp), fused RMSNorm,
 RoPE + KV-cache write and decode attention (cpu_ops.cpp), and a decoder's layers chained in one
 call for decode steps (decode_layers.cpp).

@@ -1,11 +1,14 @@
 """Weight formats for linear layers: fp32 (exact), the CPU integer formats int8 and int4, and
-q5_0 / q6_k, a GGUF's own Q5_0 and Q6_K blocks.
+q5_0 / q5_1 / q6_k, a GGUF's own Q5_0, Q5_1 (and Q5_K) and Q6_K blocks.
 
 int8: symmetric, one fp16 scale per group of 32 input elements (w = q * scale, q in -127..127;
       GGUF Q8_0/Q5_0/Q4_0 blocks are taken as they are, see `int8_from_integers`).
 int4: asymmetric, one fp16 scale and min per group of 32 (w = q * scale + min, q in 0..15),
       two values per byte.
 q5_0: Q5_0 as the file holds it (w = (q - 16) * scale, q in 0..31), at its 5.5 bits a weight.
+q5_1: five bits with an fp16 scale and min per group of 32 (w = q * scale + min, q in 0..31):
+      Q5_1 as the file holds it (6 bits a weight), Q5_K with d * sc and dmin * m rounded to fp16
+      (6 bits against the file's 5.5, as int4 holds Q4_K).
 q6_k: Q6_K as the file holds it (w = (q - 32) * sub * d, q in 0..63, an int8 sub-scale per 16
       weights and an fp16 d per 256), at its 6.5625 bits a weight.
 All store panels of 16 output rows, each group of a panel as 8 quads (4 elements of 16 outputs)
@@ -13,7 +16,8 @@ for the kernel (`group_values` restores element order; csrc/qlinear.cpp gives ea
 All run in the package's extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 `gguf` is not a stored format but a choice per tensor: the kernel format that holds the file's
-blocks as they are (Q4_0/Q4_K: int4; Q5_0: q5_0; Q6_K: q6_k; Q8_0: int8), int8 for the rest.
+blocks as they are (Q4_0/Q4_1/Q4_K: int4; Q5_0: q5_0; Q5_1/Q5_K: q5_1; Q6_K: q6_k; Q8_0: int8),
+int8 for the rest.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def resolve_weight_format(fmt: str, device: str | torch.device, auto: str = AUTO
 @dataclass
 class QuantizedWeight:
     """`rows` outputs in panels of 16 (the last zero-padded): q [panels, groups * group bytes],
-    scale (and int4's min) fp16 [panels, groups, 16]; q6_k's d [panels, groups / 8, 16]."""
+    scale (and int4's and q5_1's min) fp16 [panels, groups, 16]; q6_k's d [panels, groups / 8, 16]."""
     fmt: str
     rows: int
     q: torch.Tensor
@@ -81,6 +85,8 @@ class QuantizedWeight:
             return kernels().int4_linear(x, self.q, self.scale, self.min, self.rows, bias, passes)
         if self.fmt == "q5_0":
             return kernels().q5_0_linear(x, self.q, self.scale, self.rows, bias, passes)
+        if self.fmt == "q5_1":
+            return kernels().q5_1_linear(x, self.q, self.scale, self.min, self.rows, bias, passes)
         return kernels().q6_k_linear(x, self.q, self.scale, self.rows, bias, passes)
 
     @property
@@ -89,7 +95,7 @@ class QuantizedWeight:
 
     def group_values(self) -> torch.Tensor:
         """The integer weights as [rows, groups, 32] in element order, such that w = value * group
-        scale (+ min for int4): q5_0's q - 16, q6_k's (q - 32) * sub."""
+        scale (+ min for int4 and q5_1): q5_0's q - 16, q6_k's (q - 32) * sub."""
         panels, groups = self.q.shape[0], self.groups
         b = self.q.view(panels, groups, -1)
         if self.fmt == "int8":
@@ -97,9 +103,9 @@ class QuantizedWeight:
         else:  # nibble vector c: quad 2c in the low, 2c + 1 in the high nibbles
             nib = b[:, :, :256].reshape(panels, groups, 4, 1, 64)
             quads = torch.cat([nib & 0x0F, nib >> 4], dim=3).view(panels, groups, 8, 64)
-            if self.fmt == "q5_0":  # the plane's byte i, bit k: byte i of quad k's 5th bit
+            if self.fmt in ("q5_0", "q5_1"):  # the plane's byte i, bit k: byte i of quad k's 5th bit
                 bits = (b[:, :, 256:320].reshape(panels, groups, 1, 64) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-                quads = (quads | (bits << 4)).to(torch.int16) - 16
+                quads = (quads | (bits << 4)).to(torch.int16) - (16 if self.fmt == "q5_0" else 0)
             elif self.fmt == "q6_k":  # top vector j's bits 2s, 2s + 1: quad 4j + s
                 shifts = 2 * torch.arange(4, dtype=torch.uint8)[:, None]
                 top = (b[:, :, 256:384].reshape(panels, groups, 2, 1, 64) >> shifts) & 3
@@ -118,13 +124,17 @@ class QuantizedWeight:
         scale = self._by_row(self.scale)
         return scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else scale
 
+    @property
+    def has_min(self) -> bool:
+        return self.min is not None
+
     def group_mins(self) -> torch.Tensor:
-        """int4's fp16 offset of each group, [rows, groups]."""
+        """The fp16 offset of each group (int4, q5_1), [rows, groups]."""
         return self._by_row(self.min)
 
     def dequantize(self) -> torch.Tensor:
         w = self.group_values().float() * self.group_scales().float()[..., None]
-        if self.fmt == "int4":
+        if self.has_min:
             w = w + self.group_mins().float()[..., None]
         return w.view(self.rows, -1)
 
@@ -236,18 +246,34 @@ def int4_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) 
     return QuantizedWeight("int4", n, packed.reshape(packed.shape[0], -1), _panel_scales(scale), _panel_scales(min))
 
 
+def _five_bits(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] five-bit values in element order -> q5_0 / q5_1's bytes [panels, groups * 320]: each
+    group's nibbles, then its plane of 5th bits."""
+    quads = _panel_quads(q)
+    bits = ((quads >> 4) & 1) << torch.arange(8, dtype=torch.uint8)[:, None]
+    plane = bits.sum(2, dtype=torch.uint8)  # byte i, bit k <- byte i of quad k's 5th bit
+    return torch.cat([_nibbles(quads), plane], dim=2).reshape(quads.shape[0], -1)
+
+
 def q5_0_from_integers(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     """The q5_0 format from a GGUF's Q5_0 blocks: q uint8 [N, K] (0..31) in element order and the
     block scales fp16 [N, K / 32] (w = (q - 16) * scale)."""
     n, k = q.shape
     if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or scale.dtype != torch.float16:
         raise ValueError(f"q5_0 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scales")
-    quads = _panel_quads(q)
-    panels, groups = quads.shape[:2]
-    bits = ((quads >> 4) & 1) << torch.arange(8, dtype=torch.uint8)[:, None]
-    plane = bits.sum(2, dtype=torch.uint8)  # byte i, bit k <- byte i of quad k's 5th bit
-    packed = torch.cat([_nibbles(quads), plane], dim=2)
-    return QuantizedWeight("q5_0", n, packed.reshape(panels, -1), _panel_scales(scale))
+    return QuantizedWeight("q5_0", n, _five_bits(q), _panel_scales(scale))
+
+
+def q5_1_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> QuantizedWeight:
+    """The q5_1 format from five-bit groups of 32 with a scale and an offset: q uint8 [N, K] (0..31)
+    in element order, scale and min fp16 [N, K / 32] (w = q * scale + min); a GGUF's Q5_1 and Q5_K
+    blocks (see models/gguf_quants.five_bit_blocks)."""
+    n, k = q.shape
+    if k % GROUP or q.dtype != torch.uint8 or scale.shape != (n, k // GROUP) or min.shape != scale.shape or \
+            scale.dtype != torch.float16 or min.dtype != torch.float16:
+        raise ValueError(f"q5_1 integers must be uint8 [N, K], K a multiple of {GROUP}, with fp16 scale and min "
+                         f"[N, K/{GROUP}]")
+    return QuantizedWeight("q5_1", n, _five_bits(q), _panel_scales(scale), _panel_scales(min))
 
 
 def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:

@@ -29,6 +29,7 @@ from ..layers.weight_formats import (
     int4_from_integers,
     int8_from_integers,
     q5_0_from_integers,
+    q5_1_from_integers,
     q6_k_from_integers,
     quantize,
     stack,
@@ -36,7 +37,15 @@ from ..layers.weight_formats import (
 from . import native_layers
 from .config import ModelConfig, ModelConfigError
 from .gguf_loader import GGUFFile
-from .gguf_quants import INTEGER_BLOCK_TYPES, NIBBLE_BLOCK_TYPES, integer_blocks, nibble_blocks, q6_k_blocks
+from .gguf_quants import (
+    FIVE_BIT_BLOCK_TYPES,
+    INTEGER_BLOCK_TYPES,
+    NIBBLE_BLOCK_TYPES,
+    five_bit_blocks,
+    integer_blocks,
+    nibble_blocks,
+    q6_k_blocks,
+)
 
 
 @dataclass
@@ -60,9 +69,11 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _exact_format(fmt: str, qtype: T) -> str | None:
     """The kernel format that holds a tensor of `qtype` as the file stores it, under --weight-format
-    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_K with fp16 scales; gguf: the closest of all), or None."""
+    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_1/Q4_K with fp16 scales; gguf: the closest of all), or None."""
     if fmt == "gguf" and qtype in (T.Q5_0, T.Q6_K):
         return qtype.name.lower()
+    if fmt == "gguf" and qtype in FIVE_BIT_BLOCK_TYPES:
+        return "q5_1"
     if fmt in ("int4", "gguf") and qtype in NIBBLE_BLOCK_TYPES:
         return "int4"
     if fmt in ("int8", "gguf") and qtype in INTEGER_BLOCK_TYPES:
@@ -75,6 +86,7 @@ _FROM_BLOCKS = {
     "int8": (integer_blocks, int8_from_integers),
     "int4": (nibble_blocks, int4_from_integers),
     "q5_0": (integer_blocks, lambda q, d: q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)),
+    "q5_1": (five_bit_blocks, q5_1_from_integers),
     "q6_k": (q6_k_blocks, q6_k_from_integers),
 }
 

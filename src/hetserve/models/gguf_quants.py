@@ -92,12 +92,28 @@ def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(q, d, out=out)
 
 
+def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 4:20], 16).float()
+    torch.add(q * d, m, out=out)
+
+
 def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
     d = _f16(b[:, 0:2])
     # Bit j of the 32-bit qh is the fifth bit of element j.
     q = _nibbles(b[:, 6:22], 16)
     q |= _bits(b[:, 2:6]) << 4
     torch.mul(q.float().sub_(16), d, out=out)
+
+
+def _q5_1_integers(b: torch.Tensor) -> torch.Tensor:
+    # q (0..31) of Q5_1 blocks: d, m, the 32-bit qh (bit j: element j's fifth bit), 16 nibble bytes.
+    return _nibbles(b[:, 8:24], 16) | (_bits(b[:, 4:8]) << 4)
+
+
+def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    torch.add(_q5_1_integers(b).float() * d, m, out=out)
 
 
 def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -116,18 +132,21 @@ def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     torch.sub(scale * q, offset, out=out.view(n, 8, 32))
 
 
+def _q5_k_integers(b: torch.Tensor) -> torch.Tensor:
+    # q (0..31) of Q5_K blocks, [n, 8, 32]: qh[j] bit k is the fifth bit of element j of sub-block k.
+    n = b.shape[0]
+    ql = _nibbles(b[:, 48:176], 32).view(n, 8, 32)
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> _BIT_SHIFTS.view(1, 8, 1)) & 1
+    return ql | (qh << 4)
+
+
 def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     scale = (d * sc).unsqueeze(-1)
     offset = (dmin * mn).unsqueeze(-1)
-    ql = _nibbles(b[:, 48:176], 32).view(n, 8, 32)
-    # qh[j] bit k is the fifth bit of element j of sub-block k.
-    qh = (b[:, 16:48].reshape(n, 1, 32) >> _BIT_SHIFTS.view(1, 8, 1)) & 1
-    ql |= qh << 4
-    q = ql.float()
-    torch.sub(scale * q, offset, out=out.view(n, 8, 32))
+    torch.sub(scale * _q5_k_integers(b).float(), offset, out=out.view(n, 8, 32))
 
 
 def _q6_k_integers(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +177,9 @@ def _q8_k(b: torch.Tensor, out: torch.Tensor) -> None:
 
 _BLOCK_DECODERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
     T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
     T.Q8_0: _q8_0,
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
@@ -239,15 +260,15 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
 
 
 # Formats whose 32-element groups are 4-bit integers times a scale plus an offset: the int4 weight
-# format holds them with its fp16 scale and min (Q4_0 exactly; Q4_K's d * sc and dmin * m rounded
-# to fp16, 2^-11 relative, far below the 4-bit step).
-NIBBLE_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_K})
+# format holds them with its fp16 scale and min (Q4_0 and Q4_1 exactly; Q4_K's d * sc and dmin * m
+# rounded to fp16, 2^-11 relative, far below the 4-bit step).
+NIBBLE_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 
 
 def nibble_blocks(raw: torch.Tensor, qtype: T,
                   shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_K matrix [rows, K] as q (uint8 0..15 [rows, K]) with per-group-of-32 scale and
-    min (fp16 [rows, K / 32]): w = q * scale + min."""
+    """A Q4_0/Q4_1/Q4_K matrix [rows, K] as q (uint8 0..15 [rows, K]) with per-group-of-32 scale
+    and min (fp16 [rows, K / 32]): w = q * scale + min."""
     qtype = T(qtype)
     if qtype not in NIBBLE_BLOCK_TYPES:
         raise ValueError(f"{qtype.name} blocks are not 4-bit groups of 32")
@@ -255,10 +276,35 @@ def nibble_blocks(raw: torch.Tensor, qtype: T,
     if qtype == T.Q4_0:
         d = _f16(b[:, 0:2])
         q, scale, mn = _nibbles(b[:, 2:18], 16), d, -8 * d
+    elif qtype == T.Q4_1:
+        q, scale, mn = _nibbles(b[:, 4:20], 16), _f16(b[:, 0:2]), _f16(b[:, 2:4])
     else:
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, m = _k_scales(b[:, 4:16])
         q, scale, mn = _nibbles(b[:, 16:144], 32), d * sc, -(dmin * m)
+    groups = k // 32
+    return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
+
+
+# Formats whose 32-element groups are 5-bit integers times a scale plus an offset: the q5_1 weight
+# format holds them as int4 does Q4_0/Q4_K (Q5_1 exactly; Q5_K's d * sc and dmin * m rounded to fp16).
+FIVE_BIT_BLOCK_TYPES = frozenset({T.Q5_1, T.Q5_K})
+
+
+def five_bit_blocks(raw: torch.Tensor, qtype: T,
+                    shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_1/Q5_K matrix [rows, K] as q (uint8 0..31 [rows, K]) with per-group-of-32 scale and
+    min (fp16 [rows, K / 32]): w = q * scale + min."""
+    qtype = T(qtype)
+    if qtype not in FIVE_BIT_BLOCK_TYPES:
+        raise ValueError(f"{qtype.name} blocks are not 5-bit groups of 32 with a scale and an offset")
+    rows, k, b = _matrix_blocks(raw, qtype, shape)
+    if qtype == T.Q5_1:
+        q, scale, mn = _q5_1_integers(b), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    else:
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = _k_scales(b[:, 4:16])
+        q, scale, mn = _q5_k_integers(b), d * sc, -(dmin * m)
     groups = k // 32
     return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
 

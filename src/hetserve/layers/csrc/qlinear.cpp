@@ -1,10 +1,11 @@
 // Weight-only-stored, integer-dot quantized linear layers for x86 CPUs with AVX2 + FMA (+ VNNI).
 //
 // y[M, N] = x[M, K] . dequant(W)[N, K]^T (+ bias). W holds groups of 32 input elements
-// (G = K / 32 groups per row) with one fp16 scale (int4: and min) per group:
+// (G = K / 32 groups per row) with one fp16 scale (int4, q5_1: and min) per group:
 //   int8: q int8 in -128..127                  w = q * scale
 //   int4: q in 0..15, two per byte             w = q * scale + min
 //   q5_0: q in 0..31 (GGUF Q5_0 as it is)      w = (q - 16) * scale
+//   q5_1: q in 0..31 (GGUF Q5_1, Q5_K)         w = q * scale + min
 //   q6_k: q in 0..63 (GGUF Q6_K as it is)      w = (q - 32) * sub[16 elements] * d[256 elements]
 //
 // Layout: panels of 16 output rows (the last zero-padded). A panel stores its groups in order,
@@ -20,19 +21,22 @@
 //   int4 256: 4 vectors of 64 bytes, vector c holding quad 2c in its low, 2c + 1 in its high nibbles;
 //   q5_0 320: int4's nibbles, then a 64-byte plane whose byte i holds in bit k the 5th bit of
 //             byte i of quad k (k = 0..7): one shift and mask give a quad's 5th bits;
+//   q5_1 320: as q5_0;
 //   q6_k 416: int4's nibbles (low 4 bits), 2 vectors whose byte i holds the top 2 bits of quads
 //             4j .. 4j + 3 (bits 2s, 2s + 1 for quad 4j + s), then per output its two int8
 //             sub-scales (the group's first and last 16 elements).
-// Scales (and int4 mins) are fp16 [panels, G, 16]; q6_k's d is fp16 [panels, G / 8, 16].
+// Scales (and int4's and q5_1's mins) are fp16 [panels, G, 16]; q6_k's d is fp16 [panels, G / 8, 16].
 // Each row of x is quantized on the fly to int8 per group of 32 (x ~ xq * d, as llama.cpp's
 // Q8_0 activations), in element order. A group's integer dot product is exact; it is scaled by
-// the weight scale times the activation scale and added to the output's fp32 sum (int4: plus
-// min * d * sum(xq)), group after group: each output is summed in the same order whatever M is
+// the weight scale times the activation scale and added to the output's fp32 sum (int4, q5_1:
+// plus min * d * sum(xq)), group after group: each output is summed in the same order whatever M is
 // and whichever instruction set runs, so results are batch-invariant and the same bits on AVX2
 // and AVX-512. fp16 scales (as in ggml's Q8_0/Q4_1) keep int4 at 5 bits per weight, not 6.
 // q5_0 and q6_k hold a GGUF's Q5_0 and Q6_K blocks repacked, at the file's own size (5.5 and
 // 6.5625 bits per weight): the kernel streams no more bytes than the file holds and computes on
-// the file's integers, adding no weight error (see weight_formats.py).
+// the file's integers, adding no weight error (see weight_formats.py). q5_1 holds Q5_1 exactly
+// (6 bits a weight, as the file) and Q5_K with its scales d * sc and dmin * m in fp16, at 6 bits
+// against the file's 5.5 (as int4 holds Q4_K at 5 against 4.5).
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -393,16 +397,19 @@ struct Int4Weights {
   }
 };
 
-// Q5_0: q = nibble | 5th bit << 4 in 0..31, w = (q - 16) * scale: the unsigned q's dot product
-// less 16 * sum(xq), in the integers.
+// Five-bit q = nibble | 5th bit << 4 in 0..31. Q5_0 (kMin false): w = (q - 16) * scale, the
+// unsigned q's dot product less 16 * sum(xq), in the integers. Q5_1 / Q5_K (kMin true): w = q *
+// scale + min, the unsigned q's dot product and int4's min term.
+template <bool kMin>
 struct Int5Weights {
-  static constexpr bool kHasMin = false;
+  static constexpr bool kHasMin = kMin;
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
-  const uint8_t* q; const at::Half* scale; int64_t G;
+  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
+  VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
   template <int R>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
     const uint8_t* w = group(p, g);
@@ -440,8 +447,9 @@ struct Int5Weights {
           for (int r = 0; r < R; ++r) out[h][r] = C == 1 ? madd_ones(acc[h][r]) : add32(out[h][r], madd_ones(acc[h][r]));
     });
 #endif
-    for (int h = 0; h < kHalves; ++h)
-      for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
+    if constexpr (!kMin)
+      for (int h = 0; h < kHalves; ++h)
+        for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
   }
 };
 
@@ -709,9 +717,22 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t rows,
                           c10::optional<torch::Tensor> bias, int64_t passes) {
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
-  check(x, q, rows, Int5Weights::kBytes, scale);
+  check(x, q, rows, Int5Weights<false>::kBytes, scale);
   check_bias(bias, rows);
-  return run(Int5Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x.size(1) / kGroup}, x, rows, bias, passes);
+  return run(Int5Weights<false>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), nullptr, x.size(1) / kGroup}, x,
+             rows, bias, passes);
+}
+
+torch::Tensor q5_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes) {
+  TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
+  check(x, q, rows, Int5Weights<true>::kBytes, scale);
+  TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
+              "min must be contiguous fp16, shaped as the scales");
+  check_bias(bias, rows);
+  return run(Int5Weights<true>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(),
+                               x.size(1) / kGroup},
+             x, rows, bias, passes);
 }
 
 torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t rows,
@@ -803,6 +824,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("passes") = 1);
   m.def("q5_0_linear", &q5_0_linear, "x . GGUF Q5_0 weights in panels", py::arg("x"), py::arg("q"),
         py::arg("scale"), py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
+  m.def("q5_1_linear", &q5_1_linear, "x . five-bit weights with scale and min (GGUF Q5_1, Q5_K) in panels",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("min"), py::arg("rows"), py::arg("bias"),
+        py::arg("passes") = 1);
   m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights in panels", py::arg("x"), py::arg("q"), py::arg("d"),
         py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K] in element order, scale fp16 [N, K/32])");
