@@ -5,6 +5,10 @@ difference in the numerics.
 
     llama-server -m MODEL.gguf -np 1 -c 2048 -t 2 --port 8611 &
     python scripts/compare_greedy.py --url http://127.0.0.1:8611 --weight-format fp32
+
+With --against-fp32, also hetserve's fp32 on the same prompts: how often --weight-format and
+llama.cpp each give fp32's tokens (the issue's test of a quantized format: equal to fp32's as
+often as llama.cpp's are).
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="the file the server runs")
     ap.add_argument("--weight-format", default="fp32")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--against-fp32", action="store_true", help="also count agreement with hetserve's fp32")
     args = ap.parse_args()
     llm = LLM(model=args.model, kv_cache_memory="256MiB", weight_format=args.weight_format)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=2)
-    rows = []
+    rows, ours_all, theirs_all = [], [], []
     with httpx.Client(timeout=600) as c:
         for text in PROMPTS:
             ids = llm.encode(text)
@@ -54,6 +59,8 @@ def main() -> None:
                 "prompt": ids, "n_predict": args.tokens, "temperature": 0, "top_k": 1, "n_probs": 2,
                 "ignore_eos": True, "cache_prompt": False, "samplers": ["top_k"]}).json()["completion_probabilities"]
             theirs = [p["id"] for p in probs]
+            ours_all.append(ours.token_ids)
+            theirs_all.append(theirs)
             first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs)) if a != b), None)
             row = {"prompt": text.splitlines()[0], "first_divergence": first}
             if first is not None:
@@ -66,6 +73,13 @@ def main() -> None:
     same = sum(r["first_divergence"] is None for r in rows)
     print(json.dumps({"weight_format": args.weight_format, "identical": same, "of": len(rows),
                       "margins_at_divergence": sorted(r["margin"] for r in rows if "margin" in r)}))
+    if args.against_fp32:
+        del llm
+        fp32 = LLM(model=args.model, kv_cache_memory="256MiB", weight_format="fp32")
+        ref = [o.token_ids for o in fp32.generate([fp32.encode(t) for t in PROMPTS], params, use_tqdm=False)]
+        print(json.dumps({"equal_to_fp32": {args.weight_format: sum(a == b for a, b in zip(ref, ours_all)),
+                                            "llama.cpp": sum(a == b for a, b in zip(ref, theirs_all))},
+                          "of": len(PROMPTS)}))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,14 @@ SCALE_FIELDS = {
     T.Q5_0: [(0, 2, np.float16)],
     T.Q5_1: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q8_0: [(0, 2, np.float16)],
+    T.Q2_K: [(80, 82, np.float16), (82, 84, np.float16)],
+    T.Q3_K: [(108, 110, np.float16)],
     T.Q4_K: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q5_K: [(0, 2, np.float16), (2, 4, np.float16)],
     T.Q6_K: [(208, 210, np.float16)],
     T.Q8_K: [(0, 4, np.float32)],
+    T.IQ4_NL: [(0, 2, np.float16)],
+    T.IQ4_XS: [(0, 2, np.float16)],
 }
 
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
@@ -52,7 +56,8 @@ def random_bytes(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarra
 
 def test_supported_types():
     assert SUPPORTED_TYPES == {
-        T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K,
+        T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+        T.Q8_K, T.IQ4_NL, T.IQ4_XS,
     }
     assert set(SCALE_FIELDS) | set(FLOAT_TYPES) == SUPPORTED_TYPES
 
@@ -117,4 +122,4 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError):
         dequantize(torch.zeros(34, dtype=torch.int8), T.Q8_0, (32,))
     with pytest.raises(NotImplementedError):
-        dequantize(torch.zeros(18, dtype=torch.uint8), T.IQ4_NL, (32,))
+        dequantize(torch.zeros(66, dtype=torch.uint8), T.IQ2_XXS, (256,))

@@ -231,7 +231,7 @@ MALFORMED = {
     "tensor_offset_2**63": (lambda d: patch(d, tensor_field(d, "a.1", "offset"), "<Q", 2**63), "past the end"),
     "tensor_offset_unaligned": (lambda d: patch(d, tensor_field(d, "a.1", "offset"), "<Q", 1), "alignment"),
     "tensor_type_200": (lambda d: patch(d, tensor_field(d, "a.0", "type"), "<I", 200), "unknown tensor type id 200"),
-    "tensor_type_unsupported": (lambda d: patch(d, tensor_field(d, "a.0", "type"), "<I", T.IQ4_NL), "IQ4_NL"),
+    "tensor_type_unsupported": (lambda d: patch(d, tensor_field(d, "a.0", "type"), "<I", T.IQ2_XXS), "IQ2_XXS"),
     "n_dims_9": (lambda d: patch(d, tensor_field(d, "a.0", "n_dims"), "<I", 9), "n_dims is 9"),
     "n_dims_0": (lambda d: patch(d, tensor_field(d, "a.0", "n_dims"), "<I", 0), "n_dims is 0"),
     "n_dims_2**31": (lambda d: patch(d, tensor_field(d, "a.0", "n_dims"), "<I", 2**31), "n_dims"),

@@ -545,10 +545,10 @@ def test_real_model_bf16_prefill_perplexity(real_05b):
     assert abs(bf16 / fp32 - 1) < 0.002
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL"])
 def test_integer_blocks_are_the_files_weights(qtype):
-    """Q8_0/Q5_0/Q4_0 blocks read as integers and scales give the dequantized tensor exactly,
-    and the int8 format built from them holds exactly those weights."""
+    """Q8_0/Q5_0/Q4_0/IQ4_NL blocks read as integers and scales give the dequantized tensor
+    exactly, and the int8 format built from them holds exactly those weights."""
     import gguf
 
     from hetserve.layers.weight_formats import int8_from_integers
@@ -557,7 +557,12 @@ def test_integer_blocks_are_the_files_weights(qtype):
     t = getattr(gguf.GGMLQuantizationType, qtype)
     rng = np.random.default_rng(7)
     w = rng.standard_normal((24, 160)).astype(np.float32) * rng.uniform(0.01, 3, (24, 1)).astype(np.float32)
-    raw = torch.from_numpy(gguf.quants.quantize(w, t).reshape(-1).view(np.uint8).copy())
+    if qtype == "IQ4_NL":  # gguf's numpy quantizers lack it: random indices, valid fp16 d
+        blocks = rng.integers(0, 256, (24 * 5, 18), dtype=np.uint8)
+        blocks[:, 0:2] = rng.uniform(1e-3, 0.05, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        raw = torch.from_numpy(blocks.reshape(-1).copy())
+    else:
+        raw = torch.from_numpy(gguf.quants.quantize(w, t).reshape(-1).view(np.uint8).copy())
     ref = dequantize(raw, t, (24, 160))
     q, d = integer_blocks(raw, t, (24, 160))
     assert torch.equal(q.float() * d.float().repeat_interleave(32, dim=1), ref)

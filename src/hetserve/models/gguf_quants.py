@@ -169,6 +169,56 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(scale.unsqueeze(-1), q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
+def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    # 16 scale bytes (low nibble: the scale, high: the min of each 16 elements), 64 bytes of 2-bit
+    # values (2 runs of 32 bytes, each byte 4 values at shifts 0, 2, 4, 6), then d and dmin.
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (sc & 0x0F).float()).view(n, 16, 1)
+    ml = (dmin * (sc >> 4).float()).view(n, 16, 1)
+    q = ((b[:, 16:80].reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS.view(1, 1, 4, 1)) & 3).reshape(n, 16, 16).float()
+    torch.sub(dl * q, ml, out=out.view(n, 16, 16))
+
+
+def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    # 32 bytes of high bits (hmask), 64 of 2-bit values, 12 bytes of 6-bit scales (less 32), d.
+    n = b.shape[0]
+    d = _f16(b[:, 108:110])
+    lo = (b[:, 96:104].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)).reshape(n, 16)
+    hi = (b[:, 104:108].reshape(n, 1, 4) >> _CRUMB_SHIFTS.view(1, 4, 1)).reshape(n, 16)
+    scales = ((lo & 0x0F) | ((hi & 0x03) << 4)).to(torch.int8) - 32
+    dl = (d * scales.float()).view(n, 16, 1)
+    ql = ((b[:, 32:96].reshape(n, 2, 1, 32) >> _CRUMB_SHIFTS.view(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
+    qh = ((b[:, 0:32].reshape(n, 1, 1, 32) >> _BIT_SHIFTS.view(1, 1, 8, 1)) & 1).reshape(n, 16, 16)
+    q = ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)  # a clear high bit means 4 less
+    torch.mul(dl, q.float(), out=out.view(n, 16, 16))
+
+
+# IQ4_NL / IQ4_XS: 4-bit indices into this non-uniform table.
+_IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                           dtype=torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor, out: torch.Tensor) -> None:
+    d = _f16(b[:, 0:2])
+    torch.mul(d, _IQ4_VALUES[_nibbles(b[:, 2:18], 16).long()], out=out)
+
+
+def _iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
+    # d, a 16-bit word of the 8 scales' high 2 bits, 4 bytes of their low nibbles, then 8 runs of
+    # 16 bytes (each 32 elements: low nibbles, then high).
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    high = b[:, 2:4].contiguous().view(torch.int16).int()  # the bits are what count, not the sign
+    lo = (b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2)).reshape(n, 8) & 0x0F
+    hi = (high >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
+    scales = (lo.int() | (hi << 4)).float() - 32
+    dl = (d * scales).view(n, 8, 1)
+    q = _IQ4_VALUES[_nibbles(b[:, 8:136], 16).long()].view(n, 8, 32)
+    torch.mul(dl, q, out=out.view(n, 8, 32))
+
+
 def _q8_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # float32 d, 256 int8 quants, then 16 int16 partial sums we do not need.
     d = b[:, 0:4].contiguous().view(torch.float32)
@@ -181,10 +231,14 @@ _BLOCK_DECODERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.Q5_0: _q5_0,
     T.Q5_1: _q5_1,
     T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.Q8_K: _q8_k,
+    T.IQ4_NL: _iq4_nl,
+    T.IQ4_XS: _iq4_xs,
 }
 
 _FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -238,13 +292,14 @@ def _matrix_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
 
 
 # Formats whose blocks are 32 signed integers times one fp16 scale: the int8 weight format
-# (layers/weight_formats.py) holds them exactly, so their int8 copy adds no error to the file's.
-INTEGER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q5_0, T.Q8_0})
+# (layers/weight_formats.py) holds them exactly, so their int8 copy adds no error to the file's
+# (IQ4_NL's 4-bit indices name int8 values of its table).
+INTEGER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q5_0, T.Q8_0, T.IQ4_NL})
 
 
 def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q5_0/Q8_0 matrix [rows, K] as its integers q (int8 [rows, K]) and block scales d
-    (fp16 [rows, K / 32]), with dequantize(...) == q.float() * d.float() exactly."""
+    """A Q4_0/Q5_0/Q8_0/IQ4_NL matrix [rows, K] as its integers q (int8 [rows, K]) and block
+    scales d (fp16 [rows, K / 32]), with dequantize(...) == q.float() * d.float() exactly."""
     qtype = T(qtype)
     if qtype not in INTEGER_BLOCK_TYPES:
         raise ValueError(f"{qtype.name} blocks are not 32 integers and one scale")
@@ -254,6 +309,8 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
         q = b[:, 2:34].contiguous().view(torch.int8)
     elif qtype == T.Q5_0:
         q = ((_nibbles(b[:, 6:22], 16) | (_bits(b[:, 2:6]) << 4)).to(torch.int16) - 16).to(torch.int8)
+    elif qtype == T.IQ4_NL:
+        q = _IQ4_VALUES.to(torch.int8)[_nibbles(b[:, 2:18], 16).long()]
     else:
         q = (_nibbles(b[:, 2:18], 16).to(torch.int16) - 8).to(torch.int8)
     return q.reshape(rows, k), d.reshape(rows, k // 32)
