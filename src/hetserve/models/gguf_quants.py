@@ -32,6 +32,7 @@ _CHUNK_ELEMENTS = 1 << 20
 
 # Reused shift vectors; shifting a broadcast view unpacks several bit fields
 # per byte in one op.
+_NIBBLE_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)
 _CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
@@ -83,6 +84,13 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
+def _k_scale_offset(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Q4_K/Q5_K blocks: each 32-element group's scale d * sc and offset dmin * m (w = q * scale - offset).
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    return d * sc, dmin * mn
+
+
 # Block decoders: b is [n, type_size] uint8, out is [n, block_size] float32
 # (contiguous) and receives the result of the final op.
 
@@ -123,10 +131,7 @@ def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    scale = (d * sc).unsqueeze(-1)
-    offset = (dmin * mn).unsqueeze(-1)
+    scale, offset = (t.unsqueeze(-1) for t in _k_scale_offset(b))
     # 4 runs of 32 bytes; each run holds two 32-element sub-blocks.
     q = _nibbles(b[:, 16:144], 32).float().view(n, 8, 32)
     torch.sub(scale * q, offset, out=out.view(n, 8, 32))
@@ -142,10 +147,7 @@ def _q5_k_integers(b: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    scale = (d * sc).unsqueeze(-1)
-    offset = (dmin * mn).unsqueeze(-1)
+    scale, offset = (t.unsqueeze(-1) for t in _k_scale_offset(b))
     torch.sub(scale * _q5_k_integers(b).float(), offset, out=out.view(n, 8, 32))
 
 
@@ -185,7 +187,7 @@ def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # 32 bytes of high bits (hmask), 64 of 2-bit values, 12 bytes of 6-bit scales (less 32), d.
     n = b.shape[0]
     d = _f16(b[:, 108:110])
-    lo = (b[:, 96:104].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)).reshape(n, 16)
+    lo = (b[:, 96:104].reshape(n, 1, 8) >> _NIBBLE_SHIFTS.view(1, 2, 1)).reshape(n, 16)
     hi = (b[:, 104:108].reshape(n, 1, 4) >> _CRUMB_SHIFTS.view(1, 4, 1)).reshape(n, 16)
     scales = ((lo & 0x0F) | ((hi & 0x03) << 4)).to(torch.int8) - 32
     dl = (d * scales.float()).view(n, 16, 1)
@@ -211,7 +213,7 @@ def _iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d = _f16(b[:, 0:2])
     high = b[:, 2:4].contiguous().view(torch.int16).int()  # the bits are what count, not the sign
-    lo = (b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2)).reshape(n, 8) & 0x0F
+    lo = (b[:, 4:8].reshape(n, 4, 1) >> _NIBBLE_SHIFTS.view(1, 1, 2)).reshape(n, 8) & 0x0F
     hi = (high >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
     scales = (lo.int() | (hi << 4)).float() - 32
     dl = (d * scales).view(n, 8, 1)
@@ -316,6 +318,12 @@ def integer_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple
     return q.reshape(rows, k), d.reshape(rows, k // 32)
 
 
+def _groups_of_32(rows: int, k: int, q: torch.Tensor, scale: torch.Tensor,
+                  mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [rows, K] with each group of 32's scale and min in fp16 [rows, K / 32]."""
+    return q.reshape(rows, k), scale.reshape(rows, k // 32).half(), mn.reshape(rows, k // 32).half()
+
+
 # Formats whose 32-element groups are 4-bit integers times a scale plus an offset: the int4 weight
 # format holds them with its fp16 scale and min (Q4_0 and Q4_1 exactly; Q4_K's d * sc and dmin * m
 # rounded to fp16, 2^-11 relative, far below the 4-bit step).
@@ -336,11 +344,9 @@ def nibble_blocks(raw: torch.Tensor, qtype: T,
     elif qtype == T.Q4_1:
         q, scale, mn = _nibbles(b[:, 4:20], 16), _f16(b[:, 0:2]), _f16(b[:, 2:4])
     else:
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, m = _k_scales(b[:, 4:16])
-        q, scale, mn = _nibbles(b[:, 16:144], 32), d * sc, -(dmin * m)
-    groups = k // 32
-    return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
+        scale, offset = _k_scale_offset(b)
+        q, mn = _nibbles(b[:, 16:144], 32), -offset
+    return _groups_of_32(rows, k, q, scale, mn)
 
 
 # Formats whose 32-element groups are 5-bit integers times a scale plus an offset: the q5_1 weight
@@ -359,11 +365,9 @@ def five_bit_blocks(raw: torch.Tensor, qtype: T,
     if qtype == T.Q5_1:
         q, scale, mn = _q5_1_integers(b), _f16(b[:, 0:2]), _f16(b[:, 2:4])
     else:
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, m = _k_scales(b[:, 4:16])
-        q, scale, mn = _q5_k_integers(b), d * sc, -(dmin * m)
-    groups = k // 32
-    return q.reshape(rows, k), scale.reshape(rows, groups).half(), mn.reshape(rows, groups).half()
+        scale, offset = _k_scale_offset(b)
+        q, mn = _q5_k_integers(b), -offset
+    return _groups_of_32(rows, k, q, scale, mn)
 
 
 def q6_k_blocks(raw: torch.Tensor, qtype: T,

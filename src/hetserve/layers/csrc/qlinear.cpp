@@ -685,6 +685,12 @@ void check(const torch::Tensor& x, const torch::Tensor& q, int64_t rows, int64_t
   TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous(), "scales must be contiguous fp16");
 }
 
+// int4's and q5_1's offsets: one per scale.
+void check_min(const torch::Tensor& min, const torch::Tensor& scale) {
+  TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
+              "min must be contiguous fp16, shaped as the scales");
+}
+
 void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
   if (bias && bias->defined())
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -707,8 +713,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, int64_t passes) {
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
   check(x, q, rows, Int4Weights::kBytes, scale);
-  TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
-              "min must be contiguous fp16, shaped as the scales");
+  check_min(min, scale);
   check_bias(bias, rows);
   return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), x.size(1) / kGroup},
              x, rows, bias, passes);
@@ -727,8 +732,7 @@ torch::Tensor q5_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, int64_t passes) {
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
   check(x, q, rows, Int5Weights<true>::kBytes, scale);
-  TORCH_CHECK(min.scalar_type() == torch::kHalf && min.is_contiguous() && min.numel() == scale.numel(),
-              "min must be contiguous fp16, shaped as the scales");
+  check_min(min, scale);
   check_bias(bias, rows);
   return run(Int5Weights<true>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(),
                                x.size(1) / kGroup},
