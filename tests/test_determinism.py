@@ -3,6 +3,8 @@ checked as a property on whatever CPU runs the tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,6 +133,29 @@ def test_forced_variant(monkeypatch):
     monkeypatch.setenv(native.FORCE_ENV, "sse9")
     with pytest.raises(native.NativeUnavailable, match="choose one of"):
         native.variant()
+
+
+def test_install_imports_only_what_the_cpu_runs(monkeypatch, capsys):
+    """`make install` compiles every variant but imports only those this CPU runs: importing the
+    avx512 module on an AVX2-only Zen 1 killed the install with SIGILL. Here the CPU is made to
+    report AVX2 alone; the avx512 variant goes through torch's real build step (up to date after
+    the install, so ninja has nothing to do) and is never loaded."""
+    if not native.cpu_has_avx2():
+        pytest.skip(f"no AVX2: {native.describe()}")
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    loaded = []
+    monkeypatch.setattr(native, "build", lambda name: loaded.append(name))
+    native.install()
+    assert loaded == ["avx2"]
+    assert "native CPU kernels (avx512): compiled, not loaded (this CPU lacks avx512_vnni, avx512bw" \
+        in capsys.readouterr().out
+    assert (Path(native._build_args("avx512")["build_directory"]) / "hetserve_cpu_avx512.so").is_file()
+
+
+def test_build_refuses_a_variant_the_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(native.NativeUnavailable, match="avx512 kernels need avx512_vnni"):
+        native.build.__wrapped__("avx512")
 
 
 @pytest.mark.parametrize("fmt,rounding", [("fp32", "int8"), ("int8", "int8"), ("int8", "int8x2")])

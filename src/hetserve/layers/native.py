@@ -16,7 +16,8 @@ operations in the same order), so a result never depends on which one ran.
 `HETSERVE_CPU_KERNELS=avx2` forces the portable variant. Built with
 torch.utils.cpp_extension into the model cache directory; `make install` builds every variant,
 so that no first request waits a minute for a compiler, and an install moved to another CPU
-still has the variant that CPU needs.
+still has the variant that CPU needs. A variant the CPU cannot run is compiled but never
+imported (`compile_only`).
 """
 
 from __future__ import annotations
@@ -96,25 +97,51 @@ def cpu_has_avx2() -> bool:
     return "avx2" in supported_variants()
 
 
-@functools.cache
-def build(name: str):
-    """Compile (or load from the cache) the extension's `name` variant. Compiling needs no CPU
-    support for it; running it does."""
-    from torch.utils import cpp_extension
-
+def _build_args(name: str) -> dict:
     from ..models.registry import cache_dir
 
     out = cache_dir() / "extensions" / f"torch-{torch.__version__}" / name
     out.mkdir(parents=True, exist_ok=True)
-    sources = [str(Path(__file__).with_name("csrc") / s) for s in SOURCES]
+    return dict(name=f"hetserve_cpu_{name}", sources=[str(Path(__file__).with_name("csrc") / s) for s in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *VARIANTS[name][1]], extra_ldflags=["-fopenmp"],
+                build_directory=str(out), verbose=False)
+
+
+def _unavailable(e: Exception) -> NativeUnavailable:
+    """No compiler, no headers: one line that says so."""
+    return NativeUnavailable(f"could not build the native CPU kernels ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); a C++ compiler is needed")
+
+
+@functools.cache
+def build(name: str):
+    """Compile (or load from the cache) the extension's `name` variant and import it. Only for a
+    variant this CPU runs: importing runs the module's own initialisation, which the compiler is
+    free to write with the variant's instructions (the avx512 module died of SIGILL on import on
+    an AVX2-only Zen 1). `compile_only` builds the others."""
+    from torch.utils import cpp_extension
+
+    if missing := VARIANTS[name][0] - cpu_features():
+        raise NativeUnavailable(f"the {name} kernels need {', '.join(sorted(missing))}, which this CPU lacks")
     try:
-        return cpp_extension.load(f"hetserve_cpu_{name}", sources, build_directory=str(out),
-                                  extra_cflags=["-O3", "-fopenmp", *VARIANTS[name][1]],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers: say so in one line
-        raise NativeUnavailable(f"could not build the native CPU kernels ({type(e).__name__}: "
-                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
-                                f"a C++ compiler is needed") from None
+        return cpp_extension.load(**_build_args(name))
+    except Exception as e:
+        raise _unavailable(e) from None
+
+
+def compile_only(name: str) -> None:
+    """Compile the `name` variant into the cache without loading it, for a CPU that runs it later
+    (`build` there finds it up to date: the same build file, so ninja has nothing to do). This is
+    torch.utils.cpp_extension.load's own build step, which it does not offer apart from the
+    import; torch is pinned, and a test runs this call."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension._write_ninja_file_and_build_library(
+            **_build_args(name), extra_cuda_cflags=[], extra_sycl_cflags=[], extra_include_paths=[],
+            with_cuda=False, with_sycl=False)
+    except Exception as e:
+        raise _unavailable(e) from None
 
 
 @functools.cache
@@ -147,11 +174,22 @@ def describe() -> str:
     return f"{cpu_name()} [{' '.join(shown) or 'no AVX2'}]; native kernels: {v or 'none (torch fallback)'}"
 
 
-if __name__ == "__main__":  # `make install` builds every variant once
+def install() -> None:
+    """`make install`: every variant compiled once; those this CPU runs are also loaded."""
+    usable = supported_variants()
     for name in VARIANTS:
         try:
-            build(name)
-            print(f"native CPU kernels ({name}): ready")
+            if name in usable:
+                build(name)
+                print(f"native CPU kernels ({name}): ready")
+            else:
+                compile_only(name)
+                print(f"native CPU kernels ({name}): compiled, not loaded (this CPU lacks "
+                      f"{', '.join(sorted(VARIANTS[name][0] - cpu_features()))})")
         except NativeUnavailable as e:
             print(f"native CPU kernels ({name}) unavailable ({e})")
     print(describe())
+
+
+if __name__ == "__main__":
+    install()
