@@ -135,8 +135,8 @@ def main(args) -> int:
         print(f"limits measured now: read {lim['read_gb_s']:.1f} GB/s (probes {lim['read_gb_s_probes']}) over "
               f"{lim['decode_weight_bytes'] / 1e6:.0f} MB of weights + {lim['decode_kv_bytes'] / 1e6:.0f} MB of KV a "
               f"token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s ({lim['decode_share']:.0%} reached, "
-              f"median of runs {shares}); {lim['gemm_dtype'].split('.')[-1]} "
-              f"GEMM {lim['gemm_gflop_s'] / 1e3:.2f} {rate} -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
+              f"median of runs {shares}); {lim['gemm_unit']} "
+              f"{lim['gemm_gflop_s'] / 1e3:.2f} {rate} -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
               f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:
         h, t = report["hetserve"], report["transformers"]

@@ -42,6 +42,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -697,6 +698,55 @@ void check_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
                 "bias must be contiguous fp32 [N]");
 }
 
+// The integer unit's peak, for the limit column of quantized prefill (bench/limits.py): the
+// variant's byte multiply-add as the kernels issue it (AVX-512: vpdpbusd, 64 a vector; AVX2:
+// vpmaddubsw, 32 a vector, its pairs added into 16-bit sums with vpaddw) in kChains independent
+// chains from registers, on every thread. No kernel on the file's blocks can beat it; torch's own
+// int8 GEMM is no reference on a CPU without VNNI (on a Zen 1 EPYC `torch._int_mm` ran at 2 GOP/s
+// where these instructions allow 156). Each chain feeds its own sum back in as the unsigned
+// operand, which keeps the chains apart (one shared operand would be computed once) and costs
+// nothing: the values are never read. Each thread runs for `seconds`; returns multiply-adds x 2
+// a second over the whole call's wall time (a thread that starts late counts against it).
+double int8_dot_peak(double seconds) {
+  constexpr int kChains = 12;  // >= latency (4-5 cycles) x throughput (1-2 a cycle)
+  constexpr int64_t kBlock = 4096;
+  using clock = std::chrono::steady_clock;
+  const int threads = at::get_num_threads();
+  std::atomic<int64_t> blocks{0};
+  std::atomic<int32_t> sink{0};
+  const auto t0 = clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      VI acc[kChains];
+      for (int c = 0; c < kChains; ++c) acc[c] = set32(c + 1);
+      VI s = bytes(3);
+      const auto start = clock::now();
+      int64_t n = 0;
+      while (std::chrono::duration<double>(clock::now() - start).count() < seconds) {
+        for (int64_t i = 0; i < kBlock; ++i) {
+          asm("" : "+x"(s));
+          for (int c = 0; c < kChains; ++c)
+#if kWide
+            acc[c] = _mm512_dpbusd_epi32(acc[c], acc[c], s);
+#else
+            acc[c] = add16(acc[c], maddubs(acc[c], s));
+#endif
+        }
+        ++n;
+      }
+      VI total = acc[0];
+      for (int c = 1; c < kChains; ++c) total = add32(total, acc[c]);
+      alignas(64) int32_t lanes[sizeof(VI) / 4];
+      std::memcpy(lanes, &total, sizeof(VI));
+      sink += lanes[0];
+      blocks += n;
+    }
+  });
+  const double dt = std::chrono::duration<double>(clock::now() - t0).count();
+  (void)sink.load();
+  return 2.0 * blocks.load() * kBlock * kChains * sizeof(VI) / dt;  // a byte multiply-add a byte of the vector
+}
+
 }  // namespace
 
 namespace hetserve {
@@ -833,6 +883,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("passes") = 1);
   m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights in panels", py::arg("x"), py::arg("q"), py::arg("d"),
         py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
+  m.def("int8_dot_peak", &int8_dot_peak, "multiply-adds x 2 a second of the kernels' byte dot instruction on every thread",
+        py::arg("seconds"));
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K] in element order, scale fp16 [N, K/32])");
   m.def("quantize_int4", &quantize_int4, "fp32 [N, K] -> (q uint8 [N, K] 0..15 in element order, scale, min fp16 [N, K/32])");
 }
