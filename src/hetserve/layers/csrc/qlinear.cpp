@@ -331,7 +331,7 @@ __attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI
 struct Int8Weights {
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 8 * 64;
-  static constexpr int kPrefetchRows = 3;  // see kPrefetchL1
+  static constexpr int kPrefetchRows = kWide ? 3 : 1;  // see kPrefetchL1
   static constexpr int kRows = kMaxRows;
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
@@ -541,13 +541,15 @@ struct Int6KWeights {
 // into L2 made single-stream decode 4-7% faster on the 0.5B and 6-24% on the 1.5B than 4 KiB
 // (one process, the distances alternated between generations; 2 KiB into L1 or 12-16 KiB
 // into L2 were no better), and 4-row kernels 3-13%. Not re-measured on the Xeon.
-// int8 at 1 and 2 rows is the exception (W::kPrefetchRows): its group is the least work a byte
-// (a load, an xor and a vpdpbusd a vector), and 16 prefetches a group held the AVX-512 kernel
-// back. On the Zen 4, weights on huge pages (as the engine places them), one process, the two
+// The AVX-512 kernel's int8 at 1 and 2 rows is the exception (W::kPrefetchRows): its group is
+// the least work a byte (a load, an xor and a vpdpbusd a vector), and 16 prefetches a group held
+// it back. On the Zen 4, weights on huge pages (as the engine places them), one process, the two
 // alternated: 1 row 28.6 against 23.3 GB/s (the read probe at 30) and 44 against 33 (probe at
-// 55); the 0.5B's linears at 1 row (its Q8_0 output head is 37% of their bytes) 1.135x; on AVX2
-// the same from memory (within the rounds' spread) and faster from L3. From 3 rows on its
-// prefetches pay again (4 rows 28.5 against 27.1).
+// 55); the 0.5B's linears at 1 row (its Q8_0 output head is 37% of their bytes) 1.135x. From 3
+// rows on its prefetches pay again (4 rows 28.5 against 27.1). The AVX2 kernel keeps them at
+// every row count: on the Zen 4 held to AVX2 they made no difference from memory, and on an
+// AVX2-only Zen 1 EPYC (weaker hardware prefetchers) the 0.5B's Q8_0 head streamed at 22.7
+// against 12.8 GB/s at 1 row with them (6 alternated rounds, the read probe at 25).
 // Prefetches never fault, so the last panels' reach past the end is harmless.
 constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 8192;
 
