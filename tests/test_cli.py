@@ -116,10 +116,8 @@ def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path,
     lim = report["limits"]
     assert lim["read_gb_s"] > 0.5 and lim["gemm_gflop_s"] > 1 and lim["decode_weight_bytes"] > 0
     # Quantized prefill's limit is the kernels' own instruction peak, not torch's int8 GEMM (which
-    # ran at 0.7 GOP/s on an AVX2-only Zen 1, a seventh of the kernels' prefill there).
-    from hetserve.layers import native
-
-    kernel_prefill = lim["gemm_dtype"] == "torch.int8" and native.available()
+    # ran at 0.7 GOP/s on an AVX2-only Zen 1, where the kernels' prefill reached 331% of it).
+    kernel_prefill = lim["gemm_dtype"] == "torch.int8"
     assert lim["gemm_unit"] == ("int8 dot peak" if kernel_prefill else f"{lim['gemm_dtype'][6:]} GEMM")
     assert report["prefill_tok_s"] < lim["prefill_limit_tok_s"] or not kernel_prefill
     from hetserve import LLM

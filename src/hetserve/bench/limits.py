@@ -44,23 +44,17 @@ def read_bandwidth_gb_s(gib: float = 1.0, runs: int = 5) -> float:
 
 
 def gemm_gflop_s(dtype: torch.dtype, m: int = 512, k: int = 1536, n: int = 8960, runs: int = 5) -> float:
-    """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix);
-    int8 through torch._int_mm (oneDNN's int8 x int8 -> int32 GEMM)."""
-    if dtype == torch.int8:
-        a, b = torch.randint(-128, 128, (m, k), dtype=dtype), torch.randint(-128, 128, (k, n), dtype=dtype)
-        return 2 * m * k * n / median_time(lambda: torch._int_mm(a, b), runs) / 1e9
+    """GFLOP/s of an m x k x n GEMM in `dtype` (a prefill chunk against a 1.5B-sized MLP matrix)."""
     x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
     return 2 * m * k * n / median_time(lambda: torch.nn.functional.linear(x, w), runs) / 1e9
 
 
-def kernel_peak_gop_s(runs: int = 5, seconds: float = 0.05) -> float | None:
+def kernel_peak_gop_s(runs: int = 5, seconds: float = 0.05) -> float:
     """GOP/s (multiply-adds x 2) of the quantized kernels' own integer unit: their byte dot
     instruction (vpdpbusd with AVX512-VNNI, vpmaddubsw on AVX2) from registers on every thread
-    (csrc/qlinear.cpp, int8_dot_peak), the median of `runs`; None without the native kernels."""
+    (csrc/qlinear.cpp, int8_dot_peak), the median of `runs`."""
     from ..layers import native
 
-    if not native.available():
-        return None
     peak = native.kernels().int8_dot_peak
     peak(seconds)  # the threads up and the clocks settled
     return statistics.median(peak(seconds) for _ in range(runs)) / 1e9
@@ -68,11 +62,12 @@ def kernel_peak_gop_s(runs: int = 5, seconds: float = 0.05) -> float | None:
 
 def prefill_peak(prefill_dtype: torch.dtype) -> tuple[float, str]:
     """(GFLOP/s, what was measured) of the unit prefill runs on: for the quantized kernels
-    (`kernel`, torch.int8) their instruction's peak, not torch's int8 GEMM, which neither runs
-    their code nor is fast on every CPU (about 2 GOP/s on an AVX2-only Zen 1, where the kernels'
-    instruction allows 156); else the GEMM of the dtype."""
-    if prefill_dtype == torch.int8 and (peak := kernel_peak_gop_s()) is not None:
-        return peak, "int8 dot peak"
+    (`kernel` prefill, torch.int8, which only runs where they load) their instruction's peak, not
+    torch's int8 GEMM (`torch._int_mm`), which neither runs their code nor is fast on every CPU
+    (0.7-2 GOP/s on an AVX2-only Zen 1, where the kernels' instruction allows 156); else the
+    GEMM of the dtype."""
+    if prefill_dtype == torch.int8:
+        return kernel_peak_gop_s(), "int8 dot peak"
     return gemm_gflop_s(prefill_dtype), f"{str(prefill_dtype).split('.')[-1]} GEMM"
 
 
