@@ -79,6 +79,12 @@ def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
     return [name for name, (need, _) in VARIANTS.items() if need <= flags]
 
 
+def missing_flags(name: str) -> str:
+    """The CPU flags the `name` variant needs that this CPU lacks, as one comma-separated line
+    (empty where it has them all)."""
+    return ", ".join(sorted(VARIANTS[name][0] - cpu_features()))
+
+
 def variant() -> str | None:
     """The variant the kernels use here: the best one the CPU runs, or HETSERVE_CPU_KERNELS."""
     usable = supported_variants()
@@ -87,8 +93,7 @@ def variant() -> str | None:
         if forced not in VARIANTS:
             raise NativeUnavailable(f"{FORCE_ENV}={forced!r}: choose one of {', '.join(VARIANTS)}")
         if forced not in usable:
-            raise NativeUnavailable(f"{FORCE_ENV}={forced}: this CPU lacks "
-                                    f"{', '.join(sorted(VARIANTS[forced][0] - cpu_features()))}")
+            raise NativeUnavailable(f"{FORCE_ENV}={forced}: this CPU lacks {missing_flags(forced)}")
         return forced
     return usable[0] if usable else None
 
@@ -121,8 +126,8 @@ def build(name: str):
     an AVX2-only Zen 1). `compile_only` builds the others."""
     from torch.utils import cpp_extension
 
-    if missing := VARIANTS[name][0] - cpu_features():
-        raise NativeUnavailable(f"the {name} kernels need {', '.join(sorted(missing))}, which this CPU lacks")
+    if missing := missing_flags(name):
+        raise NativeUnavailable(f"the {name} kernels need {missing}, which this CPU lacks")
     try:
         return cpp_extension.load(**_build_args(name))
     except Exception as e:
@@ -184,8 +189,7 @@ def install() -> None:
                 print(f"native CPU kernels ({name}): ready")
             else:
                 compile_only(name)
-                print(f"native CPU kernels ({name}): compiled, not loaded (this CPU lacks "
-                      f"{', '.join(sorted(VARIANTS[name][0] - cpu_features()))})")
+                print(f"native CPU kernels ({name}): compiled, not loaded (this CPU lacks {missing_flags(name)})")
         except NativeUnavailable as e:
             print(f"native CPU kernels ({name}) unavailable ({e})")
     print(describe())
