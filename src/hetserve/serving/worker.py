@@ -17,7 +17,7 @@ import time
 import zmq
 
 from .. import trace
-from . import ipc
+from . import ipc, placement
 
 log = logging.getLogger("hetserve.worker")
 
@@ -85,6 +85,8 @@ def serve(spec: dict) -> int:
     from ..sampling_params import SamplingParams
 
     name = spec["name"]
+    if spec.get("cores"):  # before the engine starts its threads, which inherit the mask (placement.py)
+        placement.pin_process(spec["cores"])
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     ctx = zmq.Context()

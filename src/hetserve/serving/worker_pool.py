@@ -7,15 +7,18 @@ only tells it which worker is gone and why.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 import zmq.asyncio
 
 from ..models import registry
-from . import ipc
+from . import ipc, placement
 from .devices import WorkerSpec
 from .links import LocalLink, RayLink, connect_ray, ray_options
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,15 +48,21 @@ class WorkerPool:
         self.ray_address, self.ray_restarts, self.worker_timeout = ray_address, ray_restarts, worker_timeout
         self.workers: list[WorkerHandle] = []
         self.named: dict[str, WorkerHandle] = {}  # the same workers by name (routing, every frame)
+        # Threads and cores of the local workers; api_cores: those left for the API process.
+        self.placements, self.api_cores = placement.place(specs, placement.available_cores())
+        for ws, pl in zip(specs, self.placements):
+            if ws.device == "cpu" and pl.cores:
+                log.info("worker %s: %d threads on cores %s", ws.name, pl.threads, list(pl.cores))
 
     async def start(self, ctx: zmq.asyncio.Context, inbox: str) -> None:
         """Start every worker; each sends its frames to `inbox`."""
         if any(ws.ray for ws in self.specs):
             connect_ray(self.ray_address)
-        for i, ws in enumerate(self.specs):
+        for i, (ws, pl) in enumerate(zip(self.specs, self.placements)):
             spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
-                    "threads": ws.threads, "engine": ws.engine, "to_worker": f"ipc://{self._dir}/in{i}",
-                    "from_worker": inbox, "measure_profile": ws.spec in self.needs_profile}
+                    "threads": pl.threads, "cores": list(pl.cores) if pl.cores else None, "engine": ws.engine,
+                    "to_worker": f"ipc://{self._dir}/in{i}", "from_worker": inbox,
+                    "measure_profile": ws.spec in self.needs_profile}
             w = WorkerHandle(ws.name, ws)
             if ws.ray:
                 # A remote node resolves the model from its own cache (a registry name is pulled
