@@ -8,7 +8,7 @@ import pytest
 from test_server import Server
 
 from hetserve.serving.devices import parse_devices
-from hetserve.serving.placement import Placement, available_cores, place
+from hetserve.serving.placement import Placement, available_cores, describe, place
 
 
 def placed(values: list[str], cores: int):
@@ -27,6 +27,14 @@ def test_cores_no_cpu_worker_holds_are_the_api_process():
     assert placed(["cpu:threads=2"], 8) == ([Placement(2, (0, 1))], (2, 3, 4, 5, 6, 7))
     # a GPU worker keeps the whole mask, not the API process's part of it
     assert placed(["cpu:threads=1", "cuda"], 2) == ([Placement(1, (0,)), Placement(None, (0, 1))], (1,))
+
+
+def test_the_start_up_line_names_what_was_pinned():
+    specs = parse_devices(["cpu:threads=2", "cuda", "cpu:threads=1"], {}, "float32")
+    assert describe(specs, *place(specs, range(4))) == \
+        "worker cpu0: 2 threads on cores [0, 1]; worker cpu2: 1 thread on cores [2]; API process on cores [3]"
+    one = parse_devices(["cpu"], {}, "float32")
+    assert describe(one, *place(one, range(2))) == ""  # a lone default worker: nothing pinned, nothing said
 
 
 def test_a_single_default_worker_and_remote_workers_are_left_as_they_are():

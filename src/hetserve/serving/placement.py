@@ -45,10 +45,8 @@ def place(specs: Sequence[WorkerSpec], cores: Sequence[int]) -> tuple[list[Place
     """Each spec's placement, and the cores left for the API process (empty: it keeps its mask)."""
     cores = tuple(cores)
     local_cpu = [i for i, s in enumerate(specs) if s.ray is None and s.device == "cpu"]
-    gpu_mask = cores  # local GPU workers: the whole mask, whatever the API process is given
-    out = [Placement(s.threads, gpu_mask if s.ray is None else None) for s in specs]
-    for i in local_cpu:
-        out[i] = Placement(specs[i].threads, None)
+    # Local GPU workers get the whole mask back, whatever the API process (their parent) is given.
+    out = [Placement(s.threads, None if s.ray is not None or i in local_cpu else cores) for i, s in enumerate(specs)]
     if not local_cpu or (len(local_cpu) == 1 and specs[local_cpu[0]].threads is None):
         return out, ()
     given = sum(specs[i].threads or 0 for i in local_cpu)
@@ -78,3 +76,12 @@ def pin_process(cores: Sequence[int]) -> None:
             os.sched_setaffinity(int(tid), mask)
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             pass
+
+
+def describe(specs: Sequence[WorkerSpec], placements: Sequence[Placement], api_cores: Sequence[int]) -> str:
+    """One line for the start-up log: the pinned CPU workers and the API process ('' if none)."""
+    parts = [f"worker {s.name}: {p.threads} thread{'s' * (p.threads != 1)} on cores {list(p.cores)}"
+             for s, p in zip(specs, placements) if s.device == "cpu" and p.cores]
+    if api_cores:
+        parts.append(f"API process on cores {list(api_cores)}")
+    return "; ".join(parts)

@@ -76,12 +76,11 @@ def run(args) -> int:
                         transfer_bytes_per_s=args.kv_transfer_rate, tokenizer_processes=args.tokenizer_processes,
                         tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout,
                         ray_address=args.ray_address, ray_restarts=args.ray_restarts)
-    if frontend.pool.api_cores:  # off the CPU workers' cores, with the tokenizer processes it starts
-        placement.pin_process(frontend.pool.api_cores)
-        print(f"hetserve: API process on cores {list(frontend.pool.api_cores)}; "
-              + ", ".join(f"worker {ws.name} on {list(pl.cores)}" for ws, pl in
-                          zip(frontend.pool.specs, frontend.pool.placements) if ws.device == "cpu" and pl.cores),
-              file=sys.stderr, flush=True)
+    pool = frontend.pool
+    if pool.api_cores:  # off the CPU workers' cores, with the tokenizer processes it starts
+        placement.pin_process(pool.api_cores)
+    if placed := placement.describe(pool.specs, pool.placements, pool.api_cores):
+        print(f"hetserve: {placed}", file=sys.stderr, flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -7,7 +7,6 @@ only tells it which worker is gone and why.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +16,6 @@ from ..models import registry
 from . import ipc, placement
 from .devices import WorkerSpec
 from .links import LocalLink, RayLink, connect_ray, ray_options
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,9 +47,6 @@ class WorkerPool:
         self.named: dict[str, WorkerHandle] = {}  # the same workers by name (routing, every frame)
         # Threads and cores of the local workers; api_cores: those left for the API process.
         self.placements, self.api_cores = placement.place(specs, placement.available_cores())
-        for ws, pl in zip(specs, self.placements):
-            if ws.device == "cpu" and pl.cores:
-                log.info("worker %s: %d threads on cores %s", ws.name, pl.threads, list(pl.cores))
 
     async def start(self, ctx: zmq.asyncio.Context, inbox: str) -> None:
         """Start every worker; each sends its frames to `inbox`."""
