@@ -11,6 +11,7 @@ from hetserve.layers.rotary import RotaryEmbedding
 if not native.available():  # pragma: no cover - machines without AVX2 or a compiler
     pytest.skip("native CPU ops unavailable", allow_module_level=True)
 ops = native.kernels()
+native_threads = torch.get_num_threads()
 
 
 @pytest.mark.parametrize("width", [64, 896, 100])  # 100: a tail after blocks of 8
@@ -176,6 +177,62 @@ def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row():
         alone = attend_cached(q[j:j + 1], k_cache, v_cache, AttentionMetadata.build([1], [10 + j], [table], ps, cpu),
                               0.3, native=ops)
         assert torch.equal(alone[0], together[j])
+
+
+def _chunk_reference(q, k, v, scale):
+    """SDPA over the fp32 values of k, v [C, KVH, D]: query i of q [T, H, D] sees keys 0 .. C - T + i."""
+    t, c = q.shape[0], k.shape[0]
+    mask = torch.ones(t, c, dtype=torch.bool).tril(c - t)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None], attn_mask=mask,
+        scale=scale, enable_gqa=True)[0]
+    return o.transpose(0, 1).reshape(t, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(14, 2, 64), (12, 2, 128), (3, 3, 16)])
+@pytest.mark.parametrize("t,c", [(40, 40), (23, 57), (6, 6), (1, 30)])  # tiles of 6 rows and 16 keys, and tails
+def test_chunk_attention_matches_sdpa(dtype, heads, kvh, d, t, c):
+    """A prefill chunk (the last t of c context tokens, causal) over the cache's own rows equals SDPA
+    over their fp32 values, for the models' head shapes and each cache dtype."""
+    torch.manual_seed(6)
+    q, k, v = torch.randn(t, heads, d), torch.randn(c, kvh, d).to(dtype), torch.randn(c, kvh, d).to(dtype)
+    out = torch.empty(t, heads * d)
+    ops.attend_chunk(q, k, v, out, d ** -0.5)
+    torch.testing.assert_close(out, _chunk_reference(q, k, v, d ** -0.5), rtol=1e-5, atol=2e-6)
+
+
+def test_a_chunk_row_attends_bit_for_bit_as_the_same_row_alone():
+    """Each row's sums run over its own keys in a fixed order: a row's result is the same in any chunk
+    that holds it (the chunk's other rows, its row tile, the threads), and alone."""
+    torch.manual_seed(7)
+    heads, kvh, d, t, c = 14, 2, 64, 20, 50
+    q, k, v = torch.randn(t, heads, d), torch.randn(c, kvh, d).half(), torch.randn(c, kvh, d).half()
+    whole = torch.empty(t, heads * d)
+    ops.attend_chunk(q, k, v, whole, 0.125)
+    first = c - t
+    for lo, hi in [(13, 20), (5, 12), (0, 1)]:  # the chunk's last rows, and shorter contexts
+        part = torch.empty(hi - lo, heads * d)
+        ops.attend_chunk(q[lo:hi].contiguous(), k[:first + hi], v[:first + hi], part, 0.125)
+        assert torch.equal(part, whole[lo:hi])
+    torch.set_num_threads(1)
+    try:
+        single = torch.empty(t, heads * d)
+        ops.attend_chunk(q, k, v, single, 0.125)
+    finally:
+        torch.set_num_threads(native_threads)
+    assert torch.equal(single, whole)
+
+
+def test_chunk_attention_refuses_what_it_cannot_compute():
+    q, k = torch.randn(8, 4, 32), torch.randn(8, 2, 32)
+    with pytest.raises(RuntimeError, match="last of its context"):
+        ops.attend_chunk(q, k[:5], k[:5], torch.empty(8, 128), 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.attend_chunk(q[..., :24].contiguous(), k[..., :24].contiguous(), k[..., :24].contiguous(),
+                         torch.empty(8, 96), 0.1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.attend_chunk(q, k, k.half(), torch.empty(8, 128), 0.1)
 
 
 @pytest.mark.parametrize("width", [151936, 1000, 5])  # the Qwen2.5 vocabulary; tails after blocks of 8

@@ -10,6 +10,11 @@ for each --kv-dtypes (the cache's element type: float16 / bfloat16 pages hold ha
 are widened to fp32 as they are read).
 The head shape comes from the model file (no weights are loaded); pages are consecutive, as the
 block pool hands them to one request.
+
+--chunks T:C,... times a prefill chunk's attention a layer (its last T of C context tokens,
+causal) the two ways a CPU worker can run it, alternated: the native chunk kernel over the cache's
+rows, and torch's fp32 SDPA over them widened (what runs without the extension). Reported with
+the FLOPs each reaches (the causal part of the score and value products).
 """
 
 from __future__ import annotations
@@ -70,6 +75,44 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch
     return row
 
 
+def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype) -> dict:
+    """A chunk's attention a layer: the native kernel and fp32 SDPA, alternated; medians in ms."""
+    import torch.nn.functional as F
+
+    from ..layers.native import kernels
+
+    k = kernels()
+    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    gen = torch.Generator().manual_seed(t * 7 + c)
+    q = torch.randn(t, H, D, generator=gen)
+    kc, vc = (torch.randn(c, KVH, D, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty(t, H * D)
+    mask = None if t == c else torch.ones(t, c, dtype=torch.bool).tril(c - t)
+
+    def native():
+        k.attend_chunk(q, kc, vc, out, D ** -0.5)
+
+    def sdpa():  # as layers/attention.py runs a chunk without the extension
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.float().transpose(0, 1)[None],
+                                       vc.float().transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                       scale=D ** -0.5, enable_gqa=True)
+
+    times = {"native": [], "sdpa": []}
+    native(), sdpa()
+    for _ in range(repeats):
+        for name, fn in (("native", native), ("sdpa", sdpa)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    keys = sum(c - t + i + 1 for i in range(t))  # query-key pairs a head computes
+    flops = 4 * H * D * keys
+    row = {"chunk": t, "context": c, "kv_dtype": str(dtype).removeprefix("torch."), "flops": flops}
+    for name, ts in times.items():
+        row[f"{name}_ms"] = round(statistics.median(ts) * 1e3, 2)
+        row[f"{name}_gflop_s"] = round(flops / statistics.median(ts) / 1e9, 1)
+    return row
+
+
 def main(args) -> int:
     from ..layers.dtypes import DTYPES
     from ..layers.native import describe
@@ -85,18 +128,30 @@ def main(args) -> int:
     for r in rows:
         print(f"{r['context']:>8}{r['kv_dtype']:>10}{r['cold_us']:>10.1f}{r['cold_gb_s']:>11.1f}{r['warm_us']:>10.1f}"
               f"{r['warm_gb_s']:>11.1f}")
+    chunks = [measure_chunk(shape, *map(int, tc.split(":")), args.repeats, dt)
+              for tc in args.chunks.split(",") if tc for dt in dtypes]
+    if chunks:
+        print(f"prefill chunk attention a layer: native kernel against fp32 SDPA, median of {args.repeats} alternated")
+        print(f"{'chunk':>6}{'context':>9}{'KV dtype':>10}{'native ms':>11}{'GFLOP/s':>9}{'SDPA ms':>9}{'GFLOP/s':>9}"
+              f"{'speed-up':>10}")
+        for r in chunks:
+            print(f"{r['chunk']:>6}{r['context']:>9}{r['kv_dtype']:>10}{r['native_ms']:>11.2f}{r['native_gflop_s']:>9.1f}"
+                  f"{r['sdpa_ms']:>9.2f}{r['sdpa_gflop_s']:>9.1f}{r['sdpa_ms'] / r['native_ms']:>9.2f}x")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"benchmark": "attention", "model": args.model, **shape, "threads": torch.get_num_threads(),
-                       "repeats": args.repeats, "results": rows}, fh, indent=2)
+                       "repeats": args.repeats, "results": rows, "chunks": chunks}, fh, indent=2)
     return 0
 
 
 def add_parser(sub, add_model_flag, add_engine_flags) -> None:
-    p = sub.add_parser("attention", help="native decode attention a layer by context length, cold and warm caches")
+    p = sub.add_parser("attention", help="native decode attention a layer by context length, cold and warm caches; "
+                                         "prefill chunks' attention against SDPA")
     add_model_flag(p)
     p.add_argument("--contexts", default="128,600,2000")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--kv-dtypes", default="float32", help="comma-separated cache dtypes: float32, float16, bfloat16")
+    p.add_argument("--chunks", default="512:512,512:2048",
+                   help="prefill chunks to time, T:C (the last T of C context tokens) comma-separated; empty: none")
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)

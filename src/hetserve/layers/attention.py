@@ -16,7 +16,8 @@ its prompt was chunked or what else ran in the step.
 
 On fp32 CPU workers the native extension attends the rows of short sequences
 (decodes, speculative verifications; all rows in deterministic mode) one by one,
-reading their pages in place; SDPA keeps the longer prefill chunks.
+reading their pages in place, and the longer prefill chunks tile by tile over the
+context's K and V; SDPA runs them elsewhere (GPUs, bf16 chunks, no extension).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SeqAttention:
     mask: torch.Tensor | None
 
 
-NATIVE_MAX_QUERY_ROWS = 16  # longer prefill chunks go to SDPA, whose blocked kernel wins there
+NATIVE_MAX_QUERY_ROWS = 16  # longer prefill chunks go to the chunk kernel (or SDPA), blocked over rows
 
 
 @dataclass
@@ -141,11 +142,19 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
         rows, lens, tables, seqs = split
         if len(rows):
             native.attend_rows(q.contiguous(), k_cache, v_cache, out, rows, lens, tables, meta.page_size, scale)
+    native_chunks = native is not None and q.dtype == torch.float32 and chunk_dtype in (None, torch.float32) \
+        and d % 16 == 0 and not meta.per_query
     for s in seqs:
         if s.kv_index is None:
             keys, values = k_cache[s.kv_start:s.kv_start + s.ctx_len], v_cache[s.kv_start:s.kv_start + s.ctx_len]
         else:
             keys, values = k_cache[s.kv_index], v_cache[s.kv_index]
+        if native_chunks and s.q_len > 1:
+            # fp32 prefill chunks: the native kernel, over the cache's own rows (about 2x SDPA's
+            # speed on a Zen 1 EPYC, see csrc/attention.cpp).
+            native.attend_chunk(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values,
+                                out[s.q_start:s.q_start + s.q_len], scale)
+            continue
         keys = keys.to(q.dtype).transpose(0, 1)  # [kvh, C, d], a strided view when read in place
         values = values.to(q.dtype).transpose(0, 1)
         rows = q[s.q_start:s.q_start + s.q_len]

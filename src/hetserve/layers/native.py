@@ -1,7 +1,7 @@
 """The package's native CPU extension (csrc/): int8/int4/q5_0/q5_1/q6_k linear kernels and quantizers
 (qlinear.cpp), the fixed-order fp32 linear of deterministic mode (f32linear.cpp), fused RMSNorm,
-RoPE + KV-cache write and decode attention (cpu_ops.cpp), and a decoder's layers chained in one
-call for decode steps (decode_layers.cpp).
+RoPE + KV-cache write and SiLU (cpu_ops.cpp), attention of decode rows and prefill chunks
+(attention.cpp), and a decoder's layers chained in one call for decode steps (decode_layers.cpp).
 
 The same sources are compiled once per instruction-set variant, each into its own module, and
 the variant is picked when the kernels are first used from what this CPU reports
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("qlinear.cpp", "cpu_ops.cpp", "f32linear.cpp", "decode_layers.cpp")
+SOURCES = ("qlinear.cpp", "cpu_ops.cpp", "attention.cpp", "f32linear.cpp", "decode_layers.cpp")
 _BASE = ["-mavx2", "-mfma", "-mf16c"]
 # name: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags). Best first.
 VARIANTS = {

@@ -1,5 +1,6 @@
-// The extension's entry points that other sources call: the quantized linears (qlinear.cpp) and
-// the fused per-layer ops (cpu_ops.cpp), which decode_layers.cpp chains into a decoder's layers.
+// The extension's entry points that other sources call: the quantized linears (qlinear.cpp), the
+// fused per-layer ops (cpu_ops.cpp) and attention (attention.cpp), which decode_layers.cpp chains
+// into a decoder's layers.
 #pragma once
 #include <torch/extension.h>
 
@@ -23,5 +24,6 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                  torch::Tensor rows, torch::Tensor ctx_lens, torch::Tensor tables, int64_t page_size, double scale);
+void attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale);
 
 }  // namespace hetserve

@@ -863,12 +863,14 @@ std::vector<torch::Tensor> quantize_int4(torch::Tensor w) {
 }  // namespace
 
 void register_cpu_ops(pybind11::module& m);      // cpu_ops.cpp: fused norm / RoPE / KV-write
+void register_attention(pybind11::module& m);    // attention.cpp: decode rows and prefill chunks
 void register_f32_linear(pybind11::module& m);  // f32linear.cpp: fixed-order fp32 linear
 void register_decode_layers(pybind11::module& m);  // decode_layers.cpp: a decoder's layers in one call
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hetserve;
   register_cpu_ops(m);
+  register_attention(m);
   register_f32_linear(m);
   register_decode_layers(m);
   namespace py = pybind11;

@@ -1,0 +1,99 @@
+// SIMD helpers shared by the extension's sources (AVX2 + FMA + F16C): fp32 loads and stores of
+// fp32 / fp16 / bf16 values, a horizontal sum, exp, and the KV caches' checks. Internal to each
+// source that includes it (an unnamed namespace): the sources are one extension.
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <cstdint>
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+// 8 values as fp32, from fp32, bf16 (exact: a bf16 is the top half of an fp32) or fp16 (F16C, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Rounded to fp16 to nearest even, as torch's .to(torch.float16).
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// Rounded to bf16 to nearest even, as torch's .to(torch.bfloat16) (finite values).
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 8 x u16 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// n values from one float type to another (each rounded as torch's .to() rounds it).
+template <class S, class D>
+inline void convert_row(const S* src, D* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) store8(dst + j, load8(src + j));
+  for (; j < n; ++j) dst[j] = static_cast<D>(static_cast<float>(src[j]));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// widens each row to fp32 before it computes).
+void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  for (const auto* t : {&k_cache, &v_cache})
+    TORCH_CHECK((t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kHalf ||
+                 t->scalar_type() == torch::kBFloat16) && t->is_contiguous() && t->device().is_cpu(),
+                "the caches must be contiguous fp32, fp16 or bf16 CPU tensors");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the caches must share a dtype");
+}
+
+// f(T*) with the caches' element type.
+template <class F>
+void with_cache_type(const torch::Tensor& cache, const F& f) {
+  switch (cache.scalar_type()) {
+    case torch::kHalf: return f(static_cast<at::Half*>(nullptr));
+    case torch::kBFloat16: return f(static_cast<at::BFloat16*>(nullptr));
+    default: return f(static_cast<float*>(nullptr));
+  }
+}
+
+
+// exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 minimax
+// polynomial (the Cephes expf coefficients), 2^n built in the exponent bits. Inputs below
+// -87.3 give 0-ish, above 88.3 are clamped (softmax and SiLU never need more).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {  // the same function, one value (tails of rows)
+  alignas(32) float b[8] = {x};
+  _mm256_store_ps(b, exp8(_mm256_load_ps(b)));
+  return b[0];
+}
+
+}  // namespace
