@@ -51,6 +51,25 @@ HS_PREFETCH void prefetch_start(const T* const* k, int64_t n, int64_t D) {
   for (int64_t t = 0; t < std::min(n, kRowsAhead); ++t) prefetch_row(k[t], D);
 }
 
+// Row s[0 .. n) -> exp(s - max) in place (n > 0); returns 1 / their sum. Both passes' softmax.
+inline float softmax_row(float* s, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float m = hmax(mv);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+    _mm256_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  for (; t < n; ++t) sum += (s[t] = exp1(s[t] - m));
+  return 1.f / sum;
+}
+
 // Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
 // independent FMA chains sharing each key load (one chain per dot product was latency-bound).
 template <int J, class T>
@@ -255,22 +274,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
           kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, krow.data(), vrow.data(), n, D, sc,
                                                            p.data() + j0 * n);
         float inv_sum[64];
-        for (int64_t j = 0; j < g; ++j) {
-          float* pj = p.data() + j * n;
-          float m = pj[0];
-          for (int64_t t = 1; t < n; ++t) m = std::max(m, pj[t]);
-          const __m256 mv = _mm256_set1_ps(m);
-          __m256 sv = _mm256_setzero_ps();
-          int64_t t = 0;
-          for (; t + 8 <= n; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pj + t), mv));
-            _mm256_storeu_ps(pj + t, e);
-            sv = _mm256_add_ps(sv, e);
-          }
-          float sum = hsum(sv);
-          for (; t < n; ++t) sum += (pj[t] = exp1(pj[t] - m));
-          inv_sum[j] = 1.f / sum;
-        }
+        for (int64_t j = 0; j < g; ++j) inv_sum[j] = softmax_row(p.data() + j * n, n);
         for (int64_t j0 = 0; j0 < g; j0 += 8)
           kHeadValues<C>[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D,
                                                                                  acc.data() + j0 * D);
@@ -303,13 +307,6 @@ namespace {
 constexpr int kChunkRows = 6;   // query rows a tile: 2 x 6 sums + 2 K vectors + a broadcast fit AVX2's 16 registers
 constexpr int64_t kTiles = 4;   // row tiles a block
 constexpr int64_t kKeys = 16;   // keys a scores tile (two vectors)
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // s_r[0 .. 16) = q_r . k_t for the R rows q (D apart) against a K tile kt ([D][16]); rows of s ld apart.
 template <int R>
@@ -354,25 +351,6 @@ inline void weigh_tile(const float* p, int64_t ld, int64_t t0, int64_t t1, const
       _mm256_storeu_ps(o + r * ostride + e + 8, acc[r][1]);
     }
   }
-}
-
-// Row s[0 .. n) -> exp(s - max) in place; returns 1 / their sum.
-inline float softmax_row(float* s, int64_t n) {
-  __m256 mv = _mm256_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-  float m = hmax(mv);
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  const __m256 mb = _mm256_set1_ps(m);
-  __m256 sv = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= n; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
-    _mm256_storeu_ps(s + t, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  float sum = hsum(sv);
-  for (; t < n; ++t) sum += (s[t] = exp1(s[t] - m));
-  return 1.f / sum;
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 // (6 bits a weight, as the file) and Q5_K with its scales d * sc and dmin * m in fp16, at 6 bits
 // against the file's 5.5 (as int4 holds Q4_K at 5 against 4.5).
 #include "kernels.h"
+#include "vec.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -146,20 +147,6 @@ inline VI quad(const int8_t* p) {
   return set32(v);
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline int32_t hsum8_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
@@ -184,7 +171,7 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
-  const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+  const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                          _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3))));
   const float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
   const __m256 iv = _mm256_set1_ps(inv);

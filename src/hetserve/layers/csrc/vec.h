@@ -1,5 +1,5 @@
 // SIMD helpers shared by the extension's sources (AVX2 + FMA + F16C): fp32 loads and stores of
-// fp32 / fp16 / bf16 values, a horizontal sum, exp, and the KV caches' checks. Internal to each
+// fp32 / fp16 / bf16 values, horizontal sum and maximum, exp, and the KV caches' checks. Internal to each
 // source that includes it (an unnamed namespace): the sources are one extension.
 #pragma once
 #include <torch/extension.h>
@@ -48,6 +48,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
