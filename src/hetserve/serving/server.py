@@ -61,6 +61,7 @@ def run(args) -> int:
     from .api_server import build_app
     from .frontend import Frontend
     from .http_guard import HttpLimits
+    from .process_exit import exit_now
 
     kw = engine_kwargs(args)
     devices = kw.pop("device") or ["cpu"]
@@ -104,6 +105,8 @@ def run(args) -> int:
                             timeout_graceful_shutdown=1, **limits.uvicorn_kwargs())
     server = _server_class()(config, frontend, args.shutdown_timeout)
     server.run()
+    if server.exit_deadline is not None:  # drained on a signal: the exit is within --shutdown-timeout
+        exit_now(0)
     return 0
 
 

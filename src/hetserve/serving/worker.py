@@ -18,6 +18,7 @@ import zmq
 
 from .. import trace
 from . import ipc, placement
+from .process_exit import exit_now
 
 log = logging.getLogger("hetserve.worker")
 
@@ -201,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(argv[0])
     try:
-        return serve(spec)
+        code = serve(spec)
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    exit_now(code)  # the API process waits for this exit within its --shutdown-timeout
 
 
 if __name__ == "__main__":
