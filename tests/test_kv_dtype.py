@@ -49,19 +49,29 @@ def test_an_unknown_kv_dtype_is_refused():
         EngineConfig(kv_cache_dtype="int8")
 
 
+@pytest.fixture(scope="module")
+def fp32_cache_scores(real_llm):
+    """The reference: tests/data/perplexity.txt's teacher-forced log-probabilities with the fp32 cache
+    the fixture's fp32 weights keep (computed once for both dtypes)."""
+    from hetserve.models.perplexity import token_logprobs
+
+    model = real_llm.model
+    ids = real_llm.tokenizer.encode((DATA / "perplexity.txt").read_text())
+    assert model.kv_dtype == torch.float32
+    return ids, token_logprobs(model, ids, chunk=16)
+
+
 # Measured on the 0.5B (fp32 weights): fp16 -0.012% perplexity (standard error 0.012%), at most
 # 0.015 nats on a token; bf16 +0.069% (0.054%), 0.10 nats (its 8-bit mantissa).
 @pytest.mark.parametrize("dtype,bound,token_bound", [(torch.float16, 0.001, 0.05), (torch.bfloat16, 0.005, 0.25)])
-def test_the_real_model_scores_text_as_with_an_fp32_cache(real_llm, dtype, bound, token_bound):
+def test_the_real_model_scores_text_as_with_an_fp32_cache(real_llm, fp32_cache_scores, dtype, bound, token_bound):
     """Teacher-forced log-probabilities over tests/data/perplexity.txt in chunks of 16 rows (the
     native decode-layers path) with the cache in `dtype` against fp32: perplexity within `bound`
     (0.1% for fp16, the issue's bar for weight formats), each token's within `token_bound`."""
     from hetserve.models.perplexity import relative_perplexity, token_logprobs
 
     model = real_llm.model
-    ids = real_llm.tokenizer.encode((DATA / "perplexity.txt").read_text())
-    assert model.kv_dtype == torch.float32  # the fixture's fp32 weights keep an fp32 cache: the reference
-    ref = token_logprobs(model, ids, chunk=16)
+    ids, ref = fp32_cache_scores
     model.kv_dtype = dtype
     try:
         new = token_logprobs(model, ids, chunk=16)
