@@ -12,9 +12,10 @@ import atexit
 import logging
 import os
 import sys
+from typing import NoReturn
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     atexit._run_exitfuncs()  # what a normal exit would run first (the interpreter's own list)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from typing import NoReturn
 
 import zmq
 
@@ -197,7 +198,7 @@ def serve(spec: dict) -> int:
             outbox.send(ipc.encode(ipc.KVTransfer(name, x, time.perf_counter() - t0)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(argv[0])
@@ -209,4 +210,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
