@@ -23,6 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pids(proc: subprocess.Popen) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def worker_pids(proc: subprocess.Popen) -> list[int]:
+    def is_worker(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"hetserve.serving.worker" in f.read()
+        except FileNotFoundError:  # ended since pgrep saw it
+            return False
+    return [p for p in child_pids(proc) if is_worker(p)]
+
+
 class Server:
     def __init__(self, model: str, *flags: str, timeout: float = 180):
         self.port = free_port()
@@ -46,14 +61,10 @@ class Server:
 
     def child_pids(self) -> list[int]:
         """Every child process: the workers and the tokenizer processes."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(x) for x in out.split()]
+        return child_pids(self.proc)
 
     def worker_pids(self) -> list[int]:
-        def is_worker(pid: int) -> bool:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"hetserve.serving.worker" in f.read()
-        return [p for p in self.child_pids() if is_worker(p)]
+        return worker_pids(self.proc)
 
     def metric(self, name: str, headers=None) -> float:
         text = httpx.get(self.url + "/metrics", headers=headers or {}).text

@@ -1,6 +1,7 @@
 """The server under faults and hostile input: every failed request releases what it took, silent
 workers are declared dead, bad frames on the private socket are dropped, runaway chat templates
-and huge prompts cannot stall the others, and the exit keeps --shutdown-timeout."""
+and huge prompts cannot stall the others, the exit keeps --shutdown-timeout, and no child
+outlives the API process."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 
 import httpx
 import msgpack
 import pytest
 import zmq
-from test_server import Server, kill_when_running, worker_pid
+from test_server import Server, child_pids, free_port, kill_when_running, worker_pid, worker_pids
 from tiny_model import CHATML_TEMPLATE, write_tiny_gguf
 
 from hetserve.sampling_params import SamplingParams
@@ -335,3 +338,51 @@ def test_client_disconnects_log_one_line_and_shutdown_keeps_its_promise(tiny_qwe
         s.stop()
     log = s.proc.stdout.read()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie does not: its new parent, init here, may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _still_running(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def test_children_end_with_the_api_process_however_it_dies(spinning_models):
+    # Killed while its worker is still starting (importing, loading the model): the worker had
+    # not yet learnt who its parent was, and lingered for ever.
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "hetserve.cli", "serve", "--model", spinning_models[0],
+                            "--port", str(port), "--kv-cache-memory", "8MiB"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := worker_pids(api)) and api.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert workers, "no worker started"
+        children = child_pids(api)
+    finally:
+        api.kill()
+        api.wait()
+    assert not _still_running(children, 15), children
+
+    # Killed while a tokenizer process runs a chat template that never ends, the worker idle.
+    s = Server(spinning_models[0], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "600")
+    children = s.child_pids()
+    assert len(children) >= 2 and s.worker_pids()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        spin = pool.submit(chat, s.url, "spin", 60)
+        time.sleep(1.0)  # the template is running
+        s.proc.kill()
+        s.proc.wait()
+        with pytest.raises(httpx.HTTPError):
+            spin.result()
+    assert not _still_running(children, 15), children

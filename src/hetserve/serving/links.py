@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -28,7 +29,8 @@ class LocalLink:
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(spec["to_worker"])
-        self.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.worker", json.dumps(spec)])
+        self.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.worker",
+                                      json.dumps({**spec, "parent_pid": os.getpid()})])
         self.node = "local"
 
     async def send(self, raw: bytes) -> None:

@@ -7,7 +7,7 @@ request behind it. So the API process sends this work to tokenizer processes (ms
 private ZMQ socket, never pickle): a job that overruns its budget gets its process killed and
 restarted and a clear error; a job whose client left before it started is dropped unrun.
 
-Started as `python -m hetserve.serving.tokenizer_service MODEL_PATH ADDRESS`.
+Started as `python -m hetserve.serving.tokenizer_service MODEL_PATH ADDRESS PARENT_PID`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 import zmq.asyncio
+
+from .process_exit import exit_with_parent
 
 log = logging.getLogger("hetserve.tokenizer")
 
@@ -68,12 +70,7 @@ def serve(model_path: str, address: str) -> int:
     sock = zmq.Context().socket(zmq.PAIR)
     sock.connect(address)
     sock.send(msgpack.packb({"ready": os.getpid()}))
-    parent = os.getppid()
     while True:
-        if not sock.poll(1000):
-            if os.getppid() != parent:  # the API process is gone
-                return 0
-            continue
         try:
             job = msgpack.unpackb(sock.recv(), raw=False)
             reply = {"id": job["id"], "result": ops[job["op"]](**job["args"])}
@@ -128,7 +125,7 @@ class TokenizerPool:
         p.sock.setsockopt(zmq.LINGER, 0)
         p.sock.bind(address)
         p.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.tokenizer_service", self.model_path,
-                                   address])
+                                   address, str(os.getpid())])
         try:
             await asyncio.wait_for(p.sock.recv(), self.start_timeout)
         except asyncio.TimeoutError:
@@ -212,6 +209,7 @@ class TokenizerPool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    exit_with_parent(int(argv[2]))  # the API process is gone: do not linger as an orphan
     try:
         return serve(argv[0], argv[1])
     except KeyboardInterrupt:

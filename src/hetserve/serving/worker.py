@@ -19,7 +19,7 @@ import zmq
 
 from .. import trace
 from . import ipc, placement
-from .process_exit import exit_now
+from .process_exit import exit_now, exit_with_parent
 
 log = logging.getLogger("hetserve.worker")
 
@@ -140,10 +140,7 @@ def serve(spec: dict) -> int:
         outbox.send(ipc.encode(ack))  # before any update of this request
         return True
 
-    parent = os.getppid()
     while True:
-        if os.getppid() != parent:  # the API process is gone: do not linger as an orphan
-            return 0
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else 100))
         updates = []
@@ -202,6 +199,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(argv[0])
+    exit_with_parent(spec["parent_pid"])  # the API process is gone: do not linger as an orphan
     try:
         code = serve(spec)
     except KeyboardInterrupt:
