@@ -7,7 +7,9 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 
 .PHONY: install run test bench clean
 
-$(VENV)/.installed: pyproject.toml
+# Rebuilt when the kernels' sources change too: every variant is compiled here, not only the one
+# the first run loads (the avx512 one on an AVX2 machine is otherwise left stale).
+$(VENV)/.installed: pyproject.toml $(wildcard src/hetserve/layers/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	$(PY) -m hetserve.layers.native
