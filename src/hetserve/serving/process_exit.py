@@ -7,7 +7,8 @@ runs its atexit handlers (Ray's shutdown, multiprocessing's joins), flushes its 
 
 A child of the API process (a worker, a tokenizer process) also ends when the API process is gone,
 however it went (kill -9 included), whatever the child is doing then: loading a model, building
-kernels, stepping, or running a template that never ends.
+kernels, stepping, or running a template that never ends. A Ray worker ends so with its node's
+raylet.
 """
 
 from __future__ import annotations

@@ -35,7 +35,10 @@ class RayWorker:
         self._in.bind(f"ipc://{self._dir}/in")
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(f"ipc://{self._dir}/out")
-        spec.update(to_worker=f"ipc://{self._dir}/in", from_worker=f"ipc://{self._dir}/out")
+        # parent_pid: the actor's process is its node's raylet's child, so a node that is gone
+        # (removed, its raylet killed) takes the worker with it, rather than leaving it serving
+        # through direct actor calls that outlive the raylet.
+        spec.update(to_worker=f"ipc://{self._dir}/in", from_worker=f"ipc://{self._dir}/out", parent_pid=os.getppid())
         self._done = threading.Event()
 
         def run():

@@ -78,6 +78,8 @@ def _heartbeat(ctx: zmq.Context, address: str, name: str) -> None:
 
 
 def serve(spec: dict) -> int:
+    parent = spec["parent_pid"]  # the API process (a local worker) or the node's raylet (a Ray actor)
+    exit_with_parent(parent)  # while it imports, loads, builds kernels, or is stuck: never an orphan
     import torch
 
     from ..core.engine import RequestRejected
@@ -141,6 +143,8 @@ def serve(spec: dict) -> int:
         return True
 
     while True:
+        if os.getppid() != parent:  # within a step, and with a clean end (the watch's is abrupt)
+            return 0
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else 100))
         updates = []
@@ -199,7 +203,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(argv[0])
-    exit_with_parent(spec["parent_pid"])  # the API process is gone: do not linger as an orphan
     try:
         code = serve(spec)
     except KeyboardInterrupt:
