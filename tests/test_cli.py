@@ -40,6 +40,9 @@ def test_generate_streams_text_in_chat_mode(tiny_qwen2):
     (["--model", "no-such-model"], "unknown model"),
     (["--temperature", "nan"], "temperature must be a finite number"),
     (["--top-p", "0"], "top_p must be in"),
+    (["--inference-device", "cpu:threads=0"], "threads must be >= 1"),
+    (["--inference-device", "cpu,no_such_key=1"], "unknown override"),
+    (["--inference-device", "ray:cpu"], "Ray workers are for `hetserve serve`"),
 ])
 def test_bad_input_is_one_clear_line(tiny_qwen2, args, needle):
     base = ["generate", "--model", tiny_qwen2, "--prompt", "hi"]
@@ -47,6 +50,27 @@ def test_bad_input_is_one_clear_line(tiny_qwen2, args, needle):
     assert r.returncode != 0
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_one_device_takes_threads_and_overrides_as_serve_does(tiny_qwen2, monkeypatch):
+    """`generate` and the benchmarks read --inference-device as each of serve's values: torch's
+    own device strings failed on `cpu:threads=N`, which the flag's help offers."""
+    import torch
+
+    from hetserve import cli
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "--model", tiny_qwen2, "--prompt", "hi", "--max-num-seqs", "8",
+                              "--inference-device", "cpu:threads=1,max_num_seqs=2,dtype=float32"])
+    kw = cli.engine_kwargs(args)
+    assert threads == [1] and kw["device"] == "cpu" and kw["dtype"] == "float32" and kw["max_num_seqs"] == 2
+    base = ["generate", "--model", tiny_qwen2, "--prompt", "def add(a, b):", "--max-tokens", "6", "--temperature",
+            "0", "--ignore-eos", "--json"]
+    one = hetserve(*base, "--inference-device", "cpu:threads=1,max_num_seqs=2")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["token_ids"] == json.loads(hetserve(*base).stdout)["token_ids"]
 
 
 def test_malformed_gguf_gives_loader_error(tmp_path):

@@ -86,7 +86,22 @@ def add_engine_flags(p: argparse.ArgumentParser, multi_device: bool = False) -> 
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    """EngineConfig's fields from the flags. One --inference-device (every command but serve) is read
+    as serve reads each of its values, `cpu:threads=N` and `,key=value` overrides included; its
+    threads are set here, for this process."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if not isinstance(kw["device"], str):  # serve's list: parsed per worker
+        return kw
+    import torch
+
+    from .serving.devices import parse_devices
+
+    spec = parse_devices([kw.pop("device")], kw, kw.pop("dtype"))[0]
+    if spec.ray is not None:
+        raise ValueError(f"--inference-device {spec.spec!r}: Ray workers are for `hetserve serve`")
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    return {**spec.engine, "device": spec.device, "dtype": spec.dtype}
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -202,22 +217,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure one worker in isolation and write the profile `serve --profile` reads."""
-    import torch
-
     from .core import profiling
     from .core.loading import load_engine
-    from .serving.devices import parse_devices
     from .serving.router import Profile
 
     kw = engine_kwargs(args)
     device, dtype = kw.pop("device"), kw.pop("dtype")
-    spec = parse_devices([device], kw, dtype)[0]
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    loaded = load_engine(args.model, spec.device, spec.dtype, **spec.engine)
+    loaded = load_engine(args.model, device, dtype, **kw)
     t0 = time.monotonic()
     rates = profiling.measure(loaded.engine, decode_steps=args.decode_steps)
-    prof = Profile(rates["prefill"], rates["decode"], device, args.model).to_json()
+    prof = Profile(rates["prefill"], rates["decode"], args.device, args.model).to_json()
     prof["measured_s"] = round(time.monotonic() - t0, 2)
     text = json.dumps(prof, indent=2)
     if args.out:

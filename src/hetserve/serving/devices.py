@@ -63,6 +63,8 @@ def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32"
             raise ValueError(f"--inference-device {value!r}: expected cpu, cpu:threads=N, cuda, cuda:N or gpu "
                              "(or ray:cpu, ray:cpu:threads=N, ray:cuda), then optional ,key=value overrides")
         threads = int(m.group(2)) if m.group(2) else None
+        if threads == 0:
+            raise ValueError(f"--inference-device {value!r}: threads must be >= 1")
         if m.group(1):
             device = "cpu"
         elif m.group(3) == "cuda":
