@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import msgpack
 import zmq
@@ -60,7 +61,9 @@ def _ops(tok):
     }
 
 
-def serve(model_path: str, address: str) -> int:
+def serve(model_path: str, address: str) -> NoReturn:
+    """Answers jobs until the process is killed: by the API process (a job over its budget, the
+    shutdown) or by exit_with_parent once the API process is gone."""
     from ..models.gguf_loader import GGUFFile
     from ..models.tokenizer import Tokenizer
 
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     exit_with_parent(int(argv[2]))  # the API process is gone: do not linger as an orphan
     try:
-        return serve(argv[0], argv[1])
+        serve(argv[0], argv[1])
     except KeyboardInterrupt:
         return 0
 
