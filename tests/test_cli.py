@@ -194,6 +194,8 @@ def test_info_names_the_cpu_and_what_auto_picks():
     assert info["cpu"] == native.cpu_name()
     assert info["native_variants_supported"] == native.supported_variants()
     assert info["native_kernels"] in (*native.supported_variants(), None)
+    if info["native_kernels"]:
+        assert info["one_row_prefetch"] == "L1 {} B, L2 {} B".format(*native.one_row_prefetch(info["native_kernels"]))
     assert info["weight_format"] in ("gguf", "fp32") and info["prefill_format"] in ("bf16", "fp32", "kernel")
     if info["prefill_format"] == "kernel":  # VNNI without AMX, or no native bf16 at all
         flags = set(info["cpu_flags"])

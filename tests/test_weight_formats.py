@@ -273,6 +273,50 @@ def test_kernels_give_the_same_bits_whichever_thread_takes_a_panel(fmt):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", *FILE_FORMATS])
+def test_prefetch_distances_never_change_a_result(fmt):
+    """The weight stream's prefetch distances (chosen per CPU at load, native.one_row_prefetch) only
+    move bytes into caches: every setting, none included, gives the same bits at 1 row and at more."""
+    qw = file_format(fmt, 16 * 9 + 3, 512, seed=5)[0] if fmt in FILE_FORMATS else quantize(torch.randn(147, 512), fmt)
+    xs = [torch.randn(m, 512) for m in (1, 3, 9)]
+    k = kernels()
+    before = [k.weight_prefetch(1), k.weight_prefetch(2)]
+    try:
+        expected = [qw.matmul(x, None) for x in xs]
+        for l1, l2 in ((0, 0), (4096, 0), (0, 8192), (1024, 8192), (1 << 20, 1 << 20)):
+            k.set_weight_prefetch(1, l1, l2)
+            k.set_weight_prefetch(2, l1, l2)
+            assert k.weight_prefetch(1) == (l1, l2)
+            for x, y in zip(xs, expected):
+                assert torch.equal(qw.matmul(x, None), y)
+        with pytest.raises(RuntimeError, match="0 .. 1 MiB"):
+            k.set_weight_prefetch(1, -1, 0)
+    finally:
+        k.set_weight_prefetch(1, *before[0])
+        k.set_weight_prefetch(2, *before[1])
+
+
+def test_one_row_prefetch_follows_the_cpu(monkeypatch):
+    """4 KiB into L1 only for the avx512 kernels on AMD CPUs from family 25 (Zen 4: measured there);
+    the default everywhere else; the environment variable overrides, and a bad value says so."""
+    from hetserve.layers import native
+
+    monkeypatch.delenv(native.PREFETCH_ENV, raising=False)
+    assert native.one_row_prefetch("avx512", ("AuthenticAMD", 25)) == (4096, 0)
+    assert native.one_row_prefetch("avx512", ("AuthenticAMD", 26)) == (4096, 0)
+    assert native.one_row_prefetch("avx2", ("AuthenticAMD", 25)) == native.DEFAULT_PREFETCH
+    assert native.one_row_prefetch("avx512", ("GenuineIntel", 6)) == native.DEFAULT_PREFETCH
+    assert native.one_row_prefetch("avx2", ("AuthenticAMD", 23)) == native.DEFAULT_PREFETCH
+    # What the loaded kernels use is what this CPU's entry says.
+    assert kernels().weight_prefetch(1) == native.one_row_prefetch(native.variant())
+    assert kernels().weight_prefetch(2) == native.DEFAULT_PREFETCH
+    monkeypatch.setenv(native.PREFETCH_ENV, "2048,0")
+    assert native.one_row_prefetch("avx2", ("GenuineIntel", 6)) == (2048, 0)
+    monkeypatch.setenv(native.PREFETCH_ENV, "4k")
+    with pytest.raises(native.NativeUnavailable, match="two byte counts"):
+        native.one_row_prefetch("avx512")
+
+
 def test_stacked_formats_run_side_by_side():
     """A fused linear whose row blocks hold different formats gives each block's own product."""
     from hetserve.layers.weight_formats import StackedWeight, stack

@@ -258,6 +258,7 @@ def cmd_info(args) -> int:
         "threads": torch.get_num_threads(),
         "native_kernels": native.variant() if has_kernels else None,
         "native_variants_supported": native.supported_variants(),
+        "one_row_prefetch": "L1 {} B, L2 {} B".format(*native.one_row_prefetch(native.variant())) if has_kernels else None,
         "weight_format": weights,
         "prefill_format": prefill,
         "kv_cache_dtype": str(kv).removeprefix("torch."),

@@ -150,6 +150,47 @@ def compile_only(name: str) -> None:
 
 
 @functools.cache
+def cpu_vendor_family() -> tuple[str, int]:
+    """(vendor_id, cpu family) as /proc/cpuinfo gives them ("AuthenticAMD", 25 for a Zen 3 or 4);
+    ("", 0) where it is missing."""
+    vendor, family = "", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
+            elif key.strip() == "cpu family" and not family:
+                family = int(value.strip() or 0)
+            if vendor and family:
+                break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
+PREFETCH_ENV = "HETSERVE_WEIGHT_PREFETCH"
+DEFAULT_PREFETCH = (1024, 8192)
+
+
+def one_row_prefetch(name: str, vendor_family: tuple[str, int] | None = None) -> tuple[int, int]:
+    """Bytes ahead of the weight stream that 1-row tiles (decode, draft steps) prefetch into L1 and
+    into L2 (0: none), for the `name` variant on this CPU. Everywhere (1 KiB, 8 KiB), as tiles of
+    more rows, except the avx512 kernels on an AMD CPU (Zen 4 on): there 4 KiB into L1 and none
+    into L2, which streams a 1-row tile near a core's read rate (csrc/qlinear.cpp, "Software
+    prefetches", has the measurements). HETSERVE_WEIGHT_PREFETCH=L1,L2 sets them (for measuring)."""
+    if spec := os.environ.get(PREFETCH_ENV):
+        try:
+            l1, l2 = (int(v) for v in spec.split(","))
+        except ValueError:
+            raise NativeUnavailable(f"{PREFETCH_ENV}={spec!r}: give two byte counts, L1,L2 (0: none)") from None
+        return l1, l2
+    vendor, family = cpu_vendor_family() if vendor_family is None else vendor_family
+    if name == "avx512" and vendor == "AuthenticAMD" and family >= 25:
+        return 4096, 0
+    return DEFAULT_PREFETCH
+
+
+@functools.cache
 def kernels():
     """The compiled extension of this CPU's variant; built on first use, then loaded from the
     cache. Resolved once per process (every quantized matmul asks for it)."""
@@ -157,7 +198,9 @@ def kernels():
     if name is None:
         raise NativeUnavailable(f"the native CPU kernels need AVX2, FMA and F16C; this CPU reports "
                                 f"{torch.backends.cpu.get_cpu_capability()}")
-    return build(name)
+    mod = build(name)
+    mod.set_weight_prefetch(1, *one_row_prefetch(name))
+    return mod
 
 
 def available() -> bool:
@@ -174,6 +217,9 @@ def describe() -> str:
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
     try:
         v = variant()
+        if v:
+            l1, l2 = one_row_prefetch(v)
+            v += f" (1-row tiles prefetch {l1} B into L1, {l2} B into L2)"
     except NativeUnavailable as e:
         v = f"none ({e})"
     return f"{cpu_name()} [{' '.join(shown) or 'no AVX2'}]; native kernels: {v or 'none (torch fallback)'}"

@@ -537,8 +537,21 @@ struct Int6KWeights {
 // every row count: on the Zen 4 held to AVX2 they made no difference from memory, and on an
 // AVX2-only Zen 1 EPYC (weaker hardware prefetchers) the 0.5B's Q8_0 head streamed at 22.7
 // against 12.8 GB/s at 1 row with them (6 alternated rounds, the read probe at 25).
+// Tiles of 1 row on a Zen 4 with the AVX-512 kernels are the other exception, set at load
+// (native.one_row_prefetch): 4 KiB ahead into L1 and nothing into L2. A 1-row tile is the least
+// work a byte after int8's, and its prefetches into L2 held a core's stream at about 23 GB/s
+// where a plain read ran at 28-30; into L1 alone it reached the plain read's rate. One thread,
+// weights on huge pages, 24 layers of the 0.5B's linears (10 of the 1.5B's for q6_k), 15
+// alternated rounds, median of the paired ratios (2026-12-04): int4 1.23x (28.1 against 23.3
+// GB/s), q5_0 1.07x, q6_k 1.16x; 3, 6 or 8 KiB did about as well. The draft model (0.5B, int4)
+// decoded at 78.6-81.0 tok/s on 1 thread against 66.5-69.4 (3 rounds). At 2 and 4 rows L1 alone
+// was 0.87-0.89x (both prefetches stay there), and the AVX2 kernels on the same Zen 4 gained or
+// lost by format (int8 1.26x, int4 1.09x, q5_0 0.90x, q6_k 0.85x), so they keep the default.
 // Prefetches never fault, so the last panels' reach past the end is harmless.
-constexpr int64_t kPrefetchL1 = 1024, kPrefetchL2 = 8192;
+struct PrefetchDistances {
+  int64_t l1 = 1024, l2 = 8192;  // bytes ahead; 0: none at that level
+};
+PrefetchDistances g_prefetch[2];  // [0]: tiles of 1 row, [1]: of more (native.py sets [0] at load)
 
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
 // panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
@@ -549,13 +562,15 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
   VF acc[kHalves][R];
   for (int h = 0; h < kHalves; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = zerof();
+  const int64_t l1 = g_prefetch[R > 1].l1, l2 = g_prefetch[R > 1].l2;
   for (int64_t g = 0; g < w.G; ++g) {
     const char* here = reinterpret_cast<const char*>(w.group(p, g));
-    if constexpr (R >= W::kPrefetchRows)
-      for (int64_t l = 0; l < W::kBytes; l += 64) {
-        _mm_prefetch(here + kPrefetchL2 + l, _MM_HINT_T1);
-        _mm_prefetch(here + kPrefetchL1 + l, _MM_HINT_T0);
-      }
+    if constexpr (R >= W::kPrefetchRows) {
+      if (l2)
+        for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
+      if (l1)
+        for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
+    }
     VI dots[kHalves][R];
     w.template dots<R>(p, g, x, dots);
     for (int h = 0; h < kHalves; ++h) {
@@ -735,6 +750,13 @@ double int8_dot_peak(double seconds) {
   return 2.0 * blocks.load() * kBlock * kChains * sizeof(VI) / dt;  // a byte multiply-add a byte of the vector
 }
 
+void set_weight_prefetch(int64_t rows, int64_t l1, int64_t l2) {
+  TORCH_CHECK(l1 >= 0 && l2 >= 0 && l1 <= (1 << 20) && l2 <= (1 << 20), "prefetch distances must be 0 .. 1 MiB");
+  g_prefetch[rows > 1] = {l1, l2};
+}
+
+std::tuple<int64_t, int64_t> weight_prefetch(int64_t rows) { return {g_prefetch[rows > 1].l1, g_prefetch[rows > 1].l2}; }
+
 }  // namespace
 
 namespace hetserve {
@@ -873,6 +895,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("passes") = 1);
   m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights in panels", py::arg("x"), py::arg("q"), py::arg("d"),
         py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
+  m.def("set_weight_prefetch", &set_weight_prefetch, "bytes ahead of the weight stream prefetched into L1 and L2 (0: none)",
+        py::arg("rows"), py::arg("l1"), py::arg("l2"));
+  m.def("weight_prefetch", &weight_prefetch, "(L1, L2) prefetch distances in bytes", py::arg("rows"));
   m.def("int8_dot_peak", &int8_dot_peak, "multiply-adds x 2 a second of the kernels' byte dot instruction on every thread",
         py::arg("seconds"));
   m.def("quantize_int8", &quantize_int8, "fp32 [N, K] -> (q int8 [N, K] in element order, scale fp16 [N, K/32])");
