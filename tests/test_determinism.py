@@ -116,7 +116,8 @@ def test_kernel_variants_give_the_same_bits(variant):
         assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d)
     from test_weight_formats import file_format
 
-    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q5_1", 768), ("q5_1", 256), ("q6_k", 4864), ("q6_k", 512)]:
+    for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q5_1", 768), ("q5_1", 256), ("q6_k", 4864), ("q6_k", 512), ("q4_k", 4864),
+                   ("q4_k", 512)]:
         qw = file_format(fmt, 67, k, seed=k)[0]
         b = torch.randn(67)
         for m in (1, 2, 3, 4, 5, 17):

@@ -61,7 +61,7 @@ def test_quantizer_keeps_the_format(fmt):
 # Rows: the kernels' tiles (up to 8 rows with AVX-512, 6 for q6_k; 4 with AVX2), their remainders,
 # several tiles.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17]
-FILE_FORMATS = ["q5_0", "q5_1", "q6_k"]  # a GGUF's blocks as they are (file_format below)
+FILE_FORMATS = ["q5_0", "q5_1", "q6_k", "q4_k"]  # a GGUF's blocks as they are (file_format below)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -135,19 +135,20 @@ def test_two_activation_passes_carry_the_row_to_about_15_bits(fmt):
 
 
 def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False, qtype: str | None = None):
-    """A q5_0, q5_1 or q6_k weight from GGUF blocks (gguf's own quantizer for Q5_0 and Q5_1; random
-    valid blocks for Q5_K and Q6_K, which it lacks; qtype picks q5_1's source, Q5_K by default),
-    the file's dequantized tensor and the file's bytes. extreme: every weight at the format's
-    largest magnitude (Q5_0: q 31; Q5_1, Q5_K: q 31 with the largest scales; Q6_K: q 0 with
-    sub-scale -128)."""
+    """A q5_0, q5_1, q6_k or q4_k weight from GGUF blocks (gguf's own quantizer for Q5_0 and Q5_1;
+    random valid blocks for Q5_K, Q6_K and Q4_K, which it lacks; qtype picks q5_1's source, Q5_K by
+    default), the file's dequantized tensor and the file's bytes. extreme: every weight at the
+    format's largest magnitude (Q5_0: q 31; Q5_1, Q5_K, Q4_K: q 31 or 15 with the largest scales;
+    Q6_K: q 0 with sub-scale -128)."""
     import gguf
 
-    from hetserve.layers.weight_formats import q5_0_from_integers, q5_1_from_integers, q6_k_from_integers
-    from hetserve.models.gguf_quants import dequantize, five_bit_blocks, integer_blocks, q6_k_blocks
+    from hetserve.layers.weight_formats import (q4_k_from_integers, q5_0_from_integers, q5_1_from_integers,
+                                                q6_k_from_integers)
+    from hetserve.models.gguf_quants import dequantize, five_bit_blocks, integer_blocks, q4_k_blocks, q6_k_blocks
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    t = {"q5_0": T.Q5_0, "q6_k": T.Q6_K, "q5_1": T[qtype or "Q5_K"]}[fmt]
+    t = {"q5_0": T.Q5_0, "q6_k": T.Q6_K, "q4_k": T.Q4_K, "q5_1": T[qtype or "Q5_K"]}[fmt]
     if t in (T.Q5_0, T.Q5_1):
         w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
         size = gguf.GGML_QUANT_SIZES[t][1]
@@ -160,6 +161,13 @@ def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False, 
             qw = q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)
         else:
             qw = q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
+    elif t == T.Q4_K:
+        blocks = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+        blocks[:, 0:4] = rng.uniform(1e-3, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+        if extreme:
+            blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, every q 15
+        raw = torch.from_numpy(blocks.reshape(-1))
+        qw = q4_k_from_integers(*q4_k_blocks(raw, t, (n, k)))
     elif t == T.Q5_K:
         blocks = rng.integers(0, 256, (n * k // 256, 176), dtype=np.uint8)
         blocks[:, 0:4] = rng.uniform(1e-3, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
@@ -197,13 +205,15 @@ def test_q5_1_holds_q5_1_exactly_and_q5_k_with_fp16_scales(qtype, k):
         assert qw.nbytes == nbytes * 6 // 5.5
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q6_k", "q4_k"])
 @pytest.mark.parametrize("k", [256, 768, 4864])  # 1, 3 and 19 super-blocks of 256
 def test_file_formats_hold_the_files_blocks_at_their_size(fmt, k):
-    """q5_0 / q6_k give the file's dequantized weights exactly, in as many bytes as the file."""
+    """q5_0 / q6_k / q4_k give the file's dequantized weights exactly; q5_0 and q6_k in as many
+    bytes as the file, q4_k in 148 a super-block of 256 against the file's 144 (its six-bit scales
+    and mins a byte each)."""
     qw, ref, nbytes = file_format(fmt, 32, k)
     assert torch.equal(qw.dequantize(), ref)
-    assert qw.nbytes == nbytes  # 32 rows fill whole panels of 16
+    assert qw.nbytes == (nbytes * 148 // 144 if fmt == "q4_k" else nbytes)  # 32 rows fill whole panels of 16
 
 
 @pytest.mark.parametrize("fmt", FILE_FORMATS)
@@ -228,7 +238,7 @@ def test_file_format_sums_are_exact_at_the_extremes(fmt, m):
     """Every weight at its largest magnitude against |x| 127 everywhere: no 16-bit sum saturates and
     q6_k's group sums (up to 32 * 32 * 128 * 127, just under 2^24) stay exact."""
     qw, _, _ = file_format(fmt, 6, 512, extreme=True)
-    assert (qw.group_values().abs() == {"q5_0": 15, "q5_1": 31, "q6_k": 32 * 128}[fmt]).all()
+    assert (qw.group_values().abs() == {"q5_0": 15, "q5_1": 31, "q6_k": 32 * 128, "q4_k": 15}[fmt]).all()
     x = torch.ones(m, 512)
     x[m // 2:] *= -1
     y, ref = qw.matmul(x, None), _reference(x, qw, None)
@@ -411,10 +421,12 @@ def test_real_model_perplexity_per_format(real_05b):
     tensors taken from the file as they are), gguf 8.4964 (-0.11%; every tensor as the file holds it
     but Q4_K's scales rounded to fp16, so what is left is the activations' rounding to int8 per 32,
     as llama.cpp's Q8_0 activations), gguf with two activation passes (int8x2) 8.5055 (-0.001%),
-    int4 8.892 (+4.5%). gguf's linears hold the file's bytes: exactly for Q5_0, Q6_K and Q8_0, Q4_K
-    at 5 bits a weight instead of 4.5."""
+    int4 8.892 (+4.5%). gguf's linears hold the file's bytes: exactly for Q5_0, Q6_K and Q8_0; Q4_K
+    as q4_k (avx512 kernels) the file's weights exactly at 4.625 bits a weight instead of 4.5, as
+    int4 (avx2) at 5 with fp16 scales."""
     import gguf
 
+    from hetserve.layers.weight_formats import q4_k_home
     from hetserve.models.gguf_loader import GGUFFile
     from hetserve.models.perplexity import perplexity
 
@@ -431,8 +443,12 @@ def test_real_model_perplexity_per_format(real_05b):
                 for lin in model.linears():
                     infos = [f.tensors[n] for n, _ in lin.source]
                     file_bytes = sum(i.nbytes for i in infos)
-                    if all(i.qtype != gguf.GGMLQuantizationType.Q4_K for i in infos):
+                    q4_k = [i.qtype == gguf.GGMLQuantizationType.Q4_K for i in infos]
+                    if not any(q4_k):
                         assert lin.qweight.nbytes == file_bytes, lin.name
+                    elif all(q4_k) and q4_k_home() == "q4_k":
+                        assert lin.qweight.fmt == "q4_k" and lin.qweight.nbytes == file_bytes * 148 // 144, lin.name
+                        assert torch.equal(lin.qweight.dequantize(), lin.weight), lin.name
                     else:
                         assert lin.qweight.nbytes <= file_bytes * 10 / 9, lin.name
     print(ppl)
@@ -441,6 +457,24 @@ def test_real_model_perplexity_per_format(real_05b):
     assert abs(ppl["gguf"] / ppl["fp32"] - 1) < 0.003
     assert abs(ppl["gguf int8x2"] / ppl["fp32"] - 1) < 0.0002  # measured 8.5055: -0.001%
     assert ppl["int4"] / ppl["fp32"] < 1.08
+
+
+def test_gguf_keeps_q4_k_blocks_in_the_format_its_kernels_run_best(monkeypatch):
+    """q4_k with the avx512 kernels, int4 with avx2 (HETSERVE_CPU_KERNELS=avx2 included); the other
+    types' homes do not depend on the CPU."""
+    import gguf
+
+    from hetserve.layers import native
+    from hetserve.layers.weight_formats import q4_k_home
+    from hetserve.models.decoder import _exact_format
+
+    T = gguf.GGMLQuantizationType
+    monkeypatch.delenv(native.FORCE_ENV, raising=False)
+    assert q4_k_home() == ("q4_k" if native.variant() == "avx512" else "int4")
+    monkeypatch.setenv(native.FORCE_ENV, "avx2")
+    assert q4_k_home() == _exact_format("gguf", T.Q4_K) == "int4"
+    assert _exact_format("int4", T.Q4_K) == "int4" and _exact_format("int8", T.Q4_K) is None
+    assert [_exact_format("gguf", t) for t in (T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_1)] == ["q5_0", "q6_k", "int8", "int4"]
 
 
 def test_resolve_prefill_format(monkeypatch):

@@ -11,12 +11,15 @@ q5_1: five bits with an fp16 scale and min per group of 32 (w = q * scale + min,
       (6 bits against the file's 5.5, as int4 holds Q4_K).
 q6_k: Q6_K as the file holds it (w = (q - 32) * sub * d, q in 0..63, an int8 sub-scale per 16
       weights and an fp16 d per 256), at its 6.5625 bits a weight.
+q4_k: Q4_K as the file holds it (w = q * d * sc - dmin * m, q in 0..15, a six-bit scale and min
+      per group of 32 kept as a byte each, fp16 d and dmin per 256): 4.625 bits a weight against
+      the file's 4.5 and int4's 5, and d * sc exact in fp32 where int4 rounds it to fp16.
 All store panels of 16 output rows, each group of a panel as 8 quads (4 elements of 16 outputs)
 for the kernel (`group_values` restores element order; csrc/qlinear.cpp gives each group's bytes).
 All run in the package's extension (native.py, csrc/qlinear.cpp), which quantizes each
 activation row to int8 per group of 32 on the fly and uses integer multiply-adds.
 `gguf` is not a stored format but a choice per tensor: the kernel format that holds the file's
-blocks as they are (Q4_0/Q4_1/Q4_K: int4; Q5_0: q5_0; Q5_1/Q5_K: q5_1; Q6_K: q6_k; Q8_0: int8),
+blocks as they are (Q4_0/Q4_1: int4; Q4_K: q4_k; Q5_0: q5_0; Q5_1/Q5_K: q5_1; Q6_K: q6_k; Q8_0: int8),
 int8 for the rest.
 """
 
@@ -68,7 +71,9 @@ def resolve_weight_format(fmt: str, device: str | torch.device, auto: str = AUTO
 @dataclass
 class QuantizedWeight:
     """`rows` outputs in panels of 16 (the last zero-padded): q [panels, groups * group bytes],
-    scale (and int4's and q5_1's min) fp16 [panels, groups, 16]; q6_k's d [panels, groups / 8, 16]."""
+    scale (and int4's and q5_1's min) fp16 [panels, groups, 16]; q6_k's d [panels, groups / 8, 16];
+    q4_k's scale its six-bit sc and m, uint8 [panels, groups, 32] (sc of the 16 outputs, then m),
+    and its min d and -dmin, fp16 [panels, groups / 8, 32]."""
     fmt: str
     rows: int
     q: torch.Tensor
@@ -87,6 +92,8 @@ class QuantizedWeight:
             return kernels().q5_0_linear(x, self.q, self.scale, self.rows, bias, passes)
         if self.fmt == "q5_1":
             return kernels().q5_1_linear(x, self.q, self.scale, self.min, self.rows, bias, passes)
+        if self.fmt == "q4_k":
+            return kernels().q4_k_linear(x, self.q, self.scale, self.min, self.rows, bias, passes)
         return kernels().q6_k_linear(x, self.q, self.scale, self.rows, bias, passes)
 
     @property
@@ -119,8 +126,18 @@ class QuantizedWeight:
     def _by_row(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(-1, t.shape[1])[:self.rows]
 
+    def _q4_k_product(self, half: int) -> torch.Tensor:
+        """q4_k's d * sc (half 0) or -dmin * m (half 1) of each group, [rows, groups], in fp32 as the
+        kernel computes it (exact: an fp16 times a six-bit integer)."""
+        six = self._by_row(self.scale[:, :, half * PANEL:(half + 1) * PANEL])
+        d = self._by_row(self.min[:, :, half * PANEL:(half + 1) * PANEL]).float()
+        return d.repeat_interleave(8, dim=1) * six.float()
+
     def group_scales(self) -> torch.Tensor:
-        """The fp16 scale of each group, [rows, groups] (q6_k stores one per 8 groups)."""
+        """The scale of each group, [rows, groups]: fp16 (q6_k stores one per 8 groups), q4_k's
+        d * sc in fp32."""
+        if self.fmt == "q4_k":
+            return self._q4_k_product(0)
         scale = self._by_row(self.scale)
         return scale.repeat_interleave(8, dim=1) if self.fmt == "q6_k" else scale
 
@@ -129,8 +146,8 @@ class QuantizedWeight:
         return self.min is not None
 
     def group_mins(self) -> torch.Tensor:
-        """The fp16 offset of each group (int4, q5_1), [rows, groups]."""
-        return self._by_row(self.min)
+        """The offset of each group (int4, q5_1: fp16; q4_k: -dmin * m in fp32), [rows, groups]."""
+        return self._q4_k_product(1) if self.fmt == "q4_k" else self._by_row(self.min)
 
     def dequantize(self) -> torch.Tensor:
         w = self.group_values().float() * self.group_scales().float()[..., None]
@@ -276,6 +293,23 @@ def q5_1_from_integers(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) 
     return QuantizedWeight("q5_1", n, _five_bits(q), _panel_scales(scale), _panel_scales(min))
 
 
+def q4_k_from_integers(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+                       dmin: torch.Tensor) -> QuantizedWeight:
+    """The q4_k format from a GGUF's Q4_K blocks: q uint8 [N, K] (0..15) in element order, each
+    group of 32's six-bit scale and min uint8 [N, K / 32], each super-block's d and dmin fp16
+    [N, K / 256] (w = q * d * sc - dmin * m)."""
+    n, k = q.shape
+    if k % 256 or q.dtype != torch.uint8 or sc.shape != (n, k // GROUP) or m.shape != sc.shape or \
+            sc.dtype != torch.uint8 or m.dtype != torch.uint8 or d.shape != (n, k // 256) or \
+            dmin.shape != d.shape or d.dtype != torch.float16 or dmin.dtype != torch.float16:
+        raise ValueError("q4_k integers must be uint8 [N, K], K a multiple of 256, with uint8 scales and mins "
+                         "[N, K/32] and fp16 d and dmin [N, K/256]")
+    packed = _nibbles(_panel_quads(q))
+    six = torch.cat([_panel_scales(sc), _panel_scales(m)], dim=2)
+    supers = torch.cat([_panel_scales(d), _panel_scales(-dmin)], dim=2)
+    return QuantizedWeight("q4_k", n, packed.reshape(packed.shape[0], -1), six, supers)
+
+
 def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
     """The q6_k format from a GGUF's Q6_K blocks: q uint8 [N, K] (0..63) in element order, the
     sub-scales int8 [N, K / 16] and d fp16 [N, K / 256] (w = (q - 32) * sub * d)."""
@@ -291,6 +325,18 @@ def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> Q
     subs = _panel_scales(sub.view(torch.uint8)).view(panels, groups, 2, PANEL).transpose(2, 3).flatten(2)
     packed = torch.cat([_nibbles(quads), top, subs], dim=2)
     return QuantizedWeight("q6_k", n, packed.reshape(panels, -1), _panel_scales(d))
+
+
+def q4_k_home() -> str:
+    """The format `gguf` keeps a file's Q4_K blocks in on this CPU. q4_k (the file's bytes and
+    scales as they are) with the avx512 kernels: on a Zen 4 the 1.5B's Q4_K linears ran 1.03-1.09x
+    faster than as int4 at 1 row, 1.06x at 3 (7.5% fewer bytes), and 0.98x in 8-row prefill tiles
+    (a scale and a min to multiply out a group). int4 with the avx2 kernels, whose two halves a
+    panel pay those products twice: on the Zen 4 held to AVX2, 3-row tiles on 1 thread ran 0.94x,
+    and an AVX2-only CPU (a Zen 1 here) was compute-bound at 1 row already."""
+    from .native import variant
+
+    return "q4_k" if variant() == "avx512" else "int4"
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:

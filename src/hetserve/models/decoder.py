@@ -29,6 +29,8 @@ from ..layers.weight_formats import (
     int4_from_integers,
     int8_from_integers,
     q5_0_from_integers,
+    q4_k_from_integers,
+    q4_k_home,
     q5_1_from_integers,
     q6_k_from_integers,
     quantize,
@@ -44,6 +46,7 @@ from .gguf_quants import (
     five_bit_blocks,
     integer_blocks,
     nibble_blocks,
+    q4_k_blocks,
     q6_k_blocks,
 )
 
@@ -69,9 +72,12 @@ def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _exact_format(fmt: str, qtype: T) -> str | None:
     """The kernel format that holds a tensor of `qtype` as the file stores it, under --weight-format
-    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_1/Q4_K with fp16 scales; gguf: the closest of all), or None."""
+    `fmt` (int8: Q8_0/Q5_0/Q4_0; int4: Q4_0/Q4_1/Q4_K with fp16 scales; gguf: the closest of all,
+    Q4_K as q4_k or int4 by the CPU's kernels), or None."""
     if fmt == "gguf" and qtype in (T.Q5_0, T.Q6_K):
         return qtype.name.lower()
+    if fmt == "gguf" and qtype == T.Q4_K:
+        return q4_k_home()
     if fmt == "gguf" and qtype in FIVE_BIT_BLOCK_TYPES:
         return "q5_1"
     if fmt in ("int4", "gguf") and qtype in NIBBLE_BLOCK_TYPES:
@@ -88,6 +94,7 @@ _FROM_BLOCKS = {
     "q5_0": (integer_blocks, lambda q, d: q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)),
     "q5_1": (five_bit_blocks, q5_1_from_integers),
     "q6_k": (q6_k_blocks, q6_k_from_integers),
+    "q4_k": (q4_k_blocks, q4_k_from_integers),
 }
 
 

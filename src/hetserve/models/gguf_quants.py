@@ -370,6 +370,19 @@ def five_bit_blocks(raw: torch.Tensor, qtype: T,
     return _groups_of_32(rows, k, q, scale, mn)
 
 
+def q4_k_blocks(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A Q4_K matrix [rows, K] as the file holds it: q (uint8 0..15 [rows, K]), each group of 32's
+    six-bit scale and min (uint8 [rows, K / 32]) and each super-block's d and dmin (fp16 [rows,
+    K / 256]): w = q * d * sc - dmin * m."""
+    if T(qtype) != T.Q4_K:
+        raise ValueError(f"{T(qtype).name} blocks are not Q4_K")
+    rows, k, b = _matrix_blocks(raw, T.Q4_K, shape)
+    sc, mn = (t.to(torch.uint8) for t in _k_scales(b[:, 4:16]))
+    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16) for i in (0, 2))
+    return (_nibbles(b[:, 16:144], 32).reshape(rows, k), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32),
+            d.reshape(rows, k // 256), dmin.reshape(rows, k // 256))
+
+
 def q6_k_blocks(raw: torch.Tensor, qtype: T,
                 shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q6_K matrix [rows, K] as q (uint8 0..63 [rows, K]), its sub-scales (int8 [rows, K / 16])

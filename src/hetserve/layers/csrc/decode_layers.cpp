@@ -18,7 +18,7 @@ namespace {
 using Tensor = torch::Tensor;
 using OptTensor = c10::optional<Tensor>;
 
-enum class Format { kInt8, kInt4, kQ5_0, kQ5_1, kQ6K };
+enum class Format { kInt8, kInt4, kQ5_0, kQ5_1, kQ6K, kQ4K };
 
 Format parse_format(const std::string& name) {
   if (name == "int8") return Format::kInt8;
@@ -26,6 +26,7 @@ Format parse_format(const std::string& name) {
   if (name == "q5_0") return Format::kQ5_0;
   if (name == "q5_1") return Format::kQ5_1;
   if (name == "q6_k") return Format::kQ6K;
+  if (name == "q4_k") return Format::kQ4K;
   TORCH_CHECK(false, "no native kernel for weight format ", name);
 }
 
@@ -54,7 +55,8 @@ Linear make_linear(const LinearSpec& spec) {
   for (const auto& [fmt, q, scale, min, rows] : std::get<0>(spec)) {
     l.parts.push_back({parse_format(fmt), q, scale, min, rows});
     const Format f = l.parts.back().fmt;
-    TORCH_CHECK((f != Format::kInt4 && f != Format::kQ5_1) || (min && min->defined()), fmt, " weights need their min");
+    TORCH_CHECK((f != Format::kInt4 && f != Format::kQ5_1 && f != Format::kQ4K) || (min && min->defined()), fmt,
+                " weights need their min");
   }
   TORCH_CHECK(!l.parts.empty(), "a linear needs at least one part");
   return l;
@@ -67,6 +69,7 @@ Tensor apply_part(const Part& p, const Tensor& x, const OptTensor& bias, int64_t
     case Format::kQ5_0: return hetserve::q5_0_linear(x, p.q, p.scale, p.rows, bias, passes);
     case Format::kQ5_1: return hetserve::q5_1_linear(x, p.q, p.scale, *p.min, p.rows, bias, passes);
     case Format::kQ6K: return hetserve::q6_k_linear(x, p.q, p.scale, p.rows, bias, passes);
+    case Format::kQ4K: return hetserve::q4_k_linear(x, p.q, p.scale, *p.min, p.rows, bias, passes);
   }
   TORCH_CHECK(false, "unknown format");
 }

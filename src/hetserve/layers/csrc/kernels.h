@@ -15,6 +15,8 @@ torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, int64_t passes);
 torch::Tensor q5_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor min, int64_t rows,
                           c10::optional<torch::Tensor> bias, int64_t passes);
+torch::Tensor q4_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor six, torch::Tensor supers, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes);
 torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, int64_t rows,
                           c10::optional<torch::Tensor> bias, int64_t passes);
 

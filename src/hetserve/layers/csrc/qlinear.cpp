@@ -7,6 +7,7 @@
 //   q5_0: q in 0..31 (GGUF Q5_0 as it is)      w = (q - 16) * scale
 //   q5_1: q in 0..31 (GGUF Q5_1, Q5_K)         w = q * scale + min
 //   q6_k: q in 0..63 (GGUF Q6_K as it is)      w = (q - 32) * sub[16 elements] * d[256 elements]
+//   q4_k: q in 0..15 (GGUF Q4_K as it is)      w = q * d[256] * sc[32] - dmin[256] * m[32]
 //
 // Layout: panels of 16 output rows (the last zero-padded). A panel stores its groups in order,
 // each group as 8 "quads" (elements 4k .. 4k + 3, k = 0..7) of 64 bytes: byte 4n + b of quad k
@@ -25,7 +26,10 @@
 //   q6_k 416: int4's nibbles (low 4 bits), 2 vectors whose byte i holds the top 2 bits of quads
 //             4j .. 4j + 3 (bits 2s, 2s + 1 for quad 4j + s), then per output its two int8
 //             sub-scales (the group's first and last 16 elements).
-// Scales (and int4's and q5_1's mins) are fp16 [panels, G, 16]; q6_k's d is fp16 [panels, G / 8, 16].
+//   q4_k 256: int4's nibbles.
+// Scales (and int4's and q5_1's mins) are fp16 [panels, G, 16]; q6_k's d is fp16 [panels, G / 8, 16];
+// q4_k's six-bit sc and m are bytes [panels, G, 32] (16 sc, then 16 m) and its d, -dmin fp16
+// [panels, G / 8, 32]: the kernel multiplies them out in fp32 (exact: 11 bits times 6).
 // Each row of x is quantized on the fly to int8 per group of 32 (x ~ xq * d, as llama.cpp's
 // Q8_0 activations), in element order. A group's integer dot product is exact; it is scaled by
 // the weight scale times the activation scale and added to the output's fp32 sum (int4, q5_1:
@@ -98,6 +102,7 @@ inline VF addf(VF a, VF b) { return _mm512_add_ps(a, b); }
 inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
 inline void storef(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF load_h(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 #else
 using VI = __m256i;
 using VF = __m256;
@@ -130,6 +135,7 @@ inline VF addf(VF a, VF b) { return _mm256_add_ps(a, b); }
 inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
 inline void storef(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF load_h(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF load_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 #endif
 inline VI madd_ones(VI v) { return madd16(v, set32(0x00010001)); }
 // Bit Q of each byte of v moved to bit 4 (other bits are left for the caller's mask): quad Q's
@@ -382,6 +388,20 @@ struct Int4Weights {
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < R; ++r) out[h][r] = madd_ones(acc[h][r]);
 #endif
+  }
+};
+
+// Q4_K: int4's nibbles and dot products; each group's scale d * sc and offset -dmin * m are
+// multiplied out here from the file's six-bit sc, m and its fp16 d, dmin per 8 groups.
+struct Int4KWeights : Int4Weights {
+  const uint8_t* six; const at::Half* supers;
+  Int4KWeights(const uint8_t* q, const uint8_t* six, const at::Half* supers, int64_t G)
+      : Int4Weights{q, nullptr, nullptr, G}, six(six), supers(supers) {}
+  VF scales(int64_t p, int64_t g, int h) const { return product(p, g, 0, h); }
+  VF mins(int64_t p, int64_t g, int h) const { return product(p, g, kPanel, h); }
+  VF product(int64_t p, int64_t g, int64_t half, int h) const {
+    return mul(load_h(supers + (p * (G / 8) + g / 8) * 2 * kPanel + half + h * kLanes),
+               load_u8(six + (p * G + g) * 2 * kPanel + half + h * kLanes));
   }
 };
 
@@ -779,6 +799,19 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
              x, rows, bias, passes);
 }
 
+torch::Tensor q4_k_linear(torch::Tensor x, torch::Tensor q, torch::Tensor six, torch::Tensor supers, int64_t rows,
+                          c10::optional<torch::Tensor> bias, int64_t passes) {
+  TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
+  check(x, q, rows, Int4KWeights::kBytes, supers, 4);  // 32 values (d, -dmin of 16 outputs) per 8 groups
+  const int64_t G = x.size(1) / kGroup;
+  TORCH_CHECK(G % 8 == 0, "q4_k input width must be a multiple of 256");
+  TORCH_CHECK(six.scalar_type() == torch::kByte && six.is_contiguous() && six.numel() == q.size(0) * G * 2 * kPanel,
+              "q4_k scales and mins must be contiguous uint8 [panels, groups, 32]");
+  check_bias(bias, rows);
+  return run(Int4KWeights{q.data_ptr<uint8_t>(), six.data_ptr<uint8_t>(), supers.data_ptr<at::Half>(), G}, x, rows,
+             bias, passes);
+}
+
 torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t rows,
                           c10::optional<torch::Tensor> bias, int64_t passes) {
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
@@ -893,6 +926,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q5_1_linear", &q5_1_linear, "x . five-bit weights with scale and min (GGUF Q5_1, Q5_K) in panels",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("min"), py::arg("rows"), py::arg("bias"),
         py::arg("passes") = 1);
+  m.def("q4_k_linear", &q4_k_linear, "x . GGUF Q4_K weights in panels", py::arg("x"), py::arg("q"), py::arg("six"),
+        py::arg("supers"), py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
   m.def("q6_k_linear", &q6_k_linear, "x . GGUF Q6_K weights in panels", py::arg("x"), py::arg("q"), py::arg("d"),
         py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
   m.def("set_weight_prefetch", &set_weight_prefetch, "bytes ahead of the weight stream prefetched into L1 and L2 (0: none)",
