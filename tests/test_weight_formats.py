@@ -161,20 +161,14 @@ def file_format(fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False, 
             qw = q5_0_from_integers((q.to(torch.int16) + 16).to(torch.uint8), d)
         else:
             qw = q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
-    elif t == T.Q4_K:
-        blocks = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+    elif t in (T.Q4_K, T.Q5_K):
+        blocks = rng.integers(0, 256, (n * k // 256, 144 if t == T.Q4_K else 176), dtype=np.uint8)
         blocks[:, 0:4] = rng.uniform(1e-3, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
         if extreme:
-            blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, every q 15
+            blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, every q 15 (Q4_K) or 31
         raw = torch.from_numpy(blocks.reshape(-1))
-        qw = q4_k_from_integers(*q4_k_blocks(raw, t, (n, k)))
-    elif t == T.Q5_K:
-        blocks = rng.integers(0, 256, (n * k // 256, 176), dtype=np.uint8)
-        blocks[:, 0:4] = rng.uniform(1e-3, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
-        if extreme:
-            blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, every q 31
-        raw = torch.from_numpy(blocks.reshape(-1))
-        qw = q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
+        qw = q4_k_from_integers(*q4_k_blocks(raw, t, (n, k))) if t == T.Q4_K else \
+            q5_1_from_integers(*five_bit_blocks(raw, t, (n, k)))
     else:
         blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
         blocks[:, 208:210] = rng.uniform(1e-3, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)

@@ -39,8 +39,9 @@ GROUP = 32
 PANEL = 16  # output rows stored together (csrc/qlinear.cpp)
 FORMATS = ("auto", "fp32", "int8", "int4", "gguf")
 # `auto` picks this where the extension runs: every tensor as the file holds it where a kernel
-# format does (no weight error added to the file's), int8 elsewhere. It reads 395 / 1049 MB a
-# token on the 0.5B / 1.5B against int8's 525 / 1640 (docs/benchmarks.md, README "CPU fast path").
+# format does (no weight error added to the file's), int8 elsewhere. It reads 392 / 997 MB a
+# token on the 0.5B / 1.5B with the avx512 kernels (395 / 1049 with avx2, Q4_K as int4) against
+# int8's 525 / 1640 (docs/benchmarks.md, README "CPU fast path").
 AUTO_CPU_FORMAT = "gguf"
 
 
