@@ -454,8 +454,8 @@ def test_real_model_perplexity_per_format(real_05b):
 
 
 def test_gguf_keeps_q4_k_blocks_in_the_format_its_kernels_run_best(monkeypatch):
-    """q4_k with the avx512 kernels, int4 with avx2 (HETSERVE_CPU_KERNELS=avx2 included); the other
-    types' homes do not depend on the CPU."""
+    """q4_k with the avx512 kernels, int4 with avx2 (HETSERVE_CPU_KERNELS=avx2 included), either
+    where HETSERVE_Q4_K says; the other types' homes do not depend on the CPU."""
     import gguf
 
     from hetserve.layers import native
@@ -463,8 +463,17 @@ def test_gguf_keeps_q4_k_blocks_in_the_format_its_kernels_run_best(monkeypatch):
     from hetserve.models.decoder import _exact_format
 
     T = gguf.GGMLQuantizationType
+    from hetserve.layers.weight_formats import Q4_K_ENV
+
     monkeypatch.delenv(native.FORCE_ENV, raising=False)
+    monkeypatch.delenv(Q4_K_ENV, raising=False)
     assert q4_k_home() == ("q4_k" if native.variant() == "avx512" else "int4")
+    monkeypatch.setenv(Q4_K_ENV, "int4")  # for measuring one against the other
+    assert q4_k_home() == "int4"
+    monkeypatch.setenv(Q4_K_ENV, "q5")
+    with pytest.raises(WeightFormatUnavailable, match="choose int4 or q4_k"):
+        q4_k_home()
+    monkeypatch.delenv(Q4_K_ENV)
     monkeypatch.setenv(native.FORCE_ENV, "avx2")
     assert q4_k_home() == _exact_format("gguf", T.Q4_K) == "int4"
     assert _exact_format("int4", T.Q4_K) == "int4" and _exact_format("int8", T.Q4_K) is None

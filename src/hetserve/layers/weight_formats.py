@@ -334,10 +334,20 @@ def q4_k_home() -> str:
     faster than as int4 at 1 row, 1.06x at 3 (7.5% fewer bytes), and 0.98x in 8-row prefill tiles
     (a scale and a min to multiply out a group). int4 with the avx2 kernels, whose two halves a
     panel pay those products twice: on the Zen 4 held to AVX2, 3-row tiles on 1 thread ran 0.94x,
-    and an AVX2-only CPU (a Zen 1 here) was compute-bound at 1 row already."""
+    and an AVX2-only CPU (a Zen 1 here) was compute-bound at 1 row already. HETSERVE_Q4_K=int4 or
+    q4_k sets it (for measuring a CPU not measured yet)."""
+    import os
+
     from .native import variant
 
+    if (forced := os.environ.get(Q4_K_ENV)) is not None:
+        if forced not in ("int4", "q4_k"):
+            raise WeightFormatUnavailable(f"{Q4_K_ENV}={forced!r}: choose int4 or q4_k")
+        return forced
     return "q4_k" if variant() == "avx512" else "int4"
+
+
+Q4_K_ENV = "HETSERVE_Q4_K"
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
