@@ -45,16 +45,29 @@ class NativeUnavailable(RuntimeError):
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where it cannot be read)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if not sep:
+                if fields:
+                    break  # the blank line after the first processor
+                continue
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+@functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (avx2, avx512_vnni, amx_bf16, ...). Where
     /proc/cpuinfo is missing, what torch's own dispatch reports (AVX2 or AVX512) is mapped to
     the flags that level implies."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    if "flags" in _cpuinfo():
+        return frozenset(_cpuinfo()["flags"].split())
     cap = str(torch.backends.cpu.get_cpu_capability()).upper()
     flags = {"avx2", "fma", "f16c"} if cap.startswith(("AVX2", "AVX512")) else set()
     if cap.startswith("AVX512"):
@@ -64,13 +77,7 @@ def cpu_features() -> frozenset[str]:
 
 @functools.cache
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
@@ -153,19 +160,9 @@ def compile_only(name: str) -> None:
 def cpu_vendor_family() -> tuple[str, int]:
     """(vendor_id, cpu family) as /proc/cpuinfo gives them ("AuthenticAMD", 25 for a Zen 3 or 4);
     ("", 0) where it is missing."""
-    vendor, family = "", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id" and not vendor:
-                vendor = value.strip()
-            elif key.strip() == "cpu family" and not family:
-                family = int(value.strip() or 0)
-            if vendor and family:
-                break
-    except (OSError, ValueError):
-        pass
-    return vendor, family
+    info = _cpuinfo()
+    family = info.get("cpu family", "")
+    return info.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
 
 PREFETCH_ENV = "HETSERVE_WEIGHT_PREFETCH"

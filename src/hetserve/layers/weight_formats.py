@@ -26,6 +26,7 @@ int8 for the rest.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -328,6 +329,9 @@ def q6_k_from_integers(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> Q
     return QuantizedWeight("q6_k", n, packed.reshape(panels, -1), _panel_scales(d))
 
 
+Q4_K_ENV = "HETSERVE_Q4_K"
+
+
 def q4_k_home() -> str:
     """The format `gguf` keeps a file's Q4_K blocks in on this CPU. q4_k (the file's bytes and
     scales as they are) with the avx512 kernels: on a Zen 4 the 1.5B's Q4_K linears ran 1.03-1.09x
@@ -336,8 +340,6 @@ def q4_k_home() -> str:
     panel pay those products twice: on the Zen 4 held to AVX2, 3-row tiles on 1 thread ran 0.94x,
     and an AVX2-only CPU (a Zen 1 here) was compute-bound at 1 row already. HETSERVE_Q4_K=int4 or
     q4_k sets it (for measuring a CPU not measured yet)."""
-    import os
-
     from .native import variant
 
     if (forced := os.environ.get(Q4_K_ENV)) is not None:
@@ -345,9 +347,6 @@ def q4_k_home() -> str:
             raise WeightFormatUnavailable(f"{Q4_K_ENV}={forced!r}: choose int4 or q4_k")
         return forced
     return "q4_k" if variant() == "avx512" else "int4"
-
-
-Q4_K_ENV = "HETSERVE_Q4_K"
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
