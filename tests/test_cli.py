@@ -126,6 +126,18 @@ def test_bench_speculative_runs_on_tiny_models(tiny_qwen2, tmp_path, capsys):
     assert set(blocks) == {"target-only", "fixed-4", "draft-only"}
 
 
+def test_bench_throughput_runs_each_max_num_seqs_it_is_given(tiny_qwen2, tmp_path):
+    """--max-num-seqs takes several values here (one run each), where every other command takes one."""
+    from hetserve.cli import main
+
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_qwen2, "--no-transformers", "--quiet", "--num-prompts", "3",
+                 "--input-tokens", "24", "--output-tokens", "4", "--max-num-seqs", "1", "2", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["hetserve"]
+    assert set(runs) == {"1", "2"}
+    assert all(r["output_tokens"] == 12 for r in runs.values())
+
+
 def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path, capsys):
     """The limit columns come from this machine now: a read bandwidth probed before and after
     each run over the bytes a decode token reads (weights, and its context's K and V), and a

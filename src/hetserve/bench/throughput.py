@@ -67,13 +67,15 @@ def run_transformers(path: str, prompts: list[list[int]], args) -> dict:
 def main(args) -> int:
     from ..cli import engine_kwargs
 
+    counts = args.max_num_seqs  # this command's list; the engine flags take one value
+    args.max_num_seqs = counts[0]
     engine_kw = engine_kwargs(args)
     engine_kw.pop("max_num_seqs")
     report = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
               "command": " ".join(sys.argv), "hetserve": {}}
     path = None
-    for n in args.max_num_seqs:
+    for n in counts:
         report["hetserve"][str(n)] = r = run_hetserve(args, engine_kw, n)
         path = r.pop("path")
         print(f"hetserve max_num_seqs={n}: {r}", file=sys.stderr)
