@@ -239,6 +239,35 @@ def test_file_format_sums_are_exact_at_the_extremes(fmt, m):
     assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q6_k"])
+@pytest.mark.parametrize("m", [1, 4, 7])
+def test_five_and_six_bit_sums_past_16_bits_are_exact(fmt, m):
+    """Every q at the top (or bottom) of its unsigned range against |x| 127: the unsigned products of
+    a group (q5: 16 a 16-bit lane, up to 62992) or a sub-block (q6_k: 8, up to 64008) overflow
+    16 bits, which the AVX2 kernels' lanes wrap; they take off 16 (32) times the lane's activation
+    sum before widening, and the result must be the exact product all the same."""
+    from hetserve.layers.weight_formats import q5_0_from_integers, q5_1_from_integers, q6_k_from_integers
+
+    n, k = 24, 512
+    top = 63 if fmt == "q6_k" else 31
+    q = torch.full((n, k), top, dtype=torch.uint8)
+    q[n // 2:] = 0  # the other end of the range
+    q[1::4, ::3] = top // 2  # and some lanes in between
+    if fmt == "q6_k":
+        qw = q6_k_from_integers(q, torch.full((n, k // 16), -128, dtype=torch.int8).index_fill_(1, torch.tensor([1]), 127),
+                                torch.full((n, k // 256), 1e-3, dtype=torch.float16))
+    elif fmt == "q5_0":
+        qw = q5_0_from_integers(q, torch.full((n, k // GROUP), 0.01, dtype=torch.float16))
+    else:
+        qw = q5_1_from_integers(q, torch.full((n, k // GROUP), 0.01, dtype=torch.float16),
+                                torch.full((n, k // GROUP), -0.15, dtype=torch.float16))
+    x = torch.ones(m, k)
+    x[1::2] *= -1
+    x[2::3, 64:128] *= -1  # a row's groups of either sign
+    y, ref = qw.matmul(x, None), _reference(x, qw, None)
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
 @pytest.mark.parametrize("fmt", FILE_FORMATS)
 def test_file_format_kernels_are_batch_invariant(fmt):
     qw, _, _ = file_format(fmt, 64, 512, seed=3)

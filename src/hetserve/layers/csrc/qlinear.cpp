@@ -121,6 +121,7 @@ template <int S> inline VI shr16(VI a) { return _mm256_srli_epi16(a, S); }
 template <int S> inline VI shl32(VI a) { return _mm256_slli_epi32(a, S); }
 inline VI maddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
 inline VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
+inline VI sub16(VI a, VI b) { return _mm256_sub_epi16(a, b); }
 inline VI madd16(VI a, VI b) { return _mm256_madd_epi16(a, b); }
 inline VI dp_i16(VI acc, VI a, VI b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline VI shuffle8(VI a, VI idx) { return _mm256_shuffle_epi8(a, idx); }
@@ -160,20 +161,21 @@ inline int32_t hsum8_epi32(__m256i v) {
 }
 
 // Activations quantized per group, in element order: xq int8, d (scale), s = d * sum(xq) fp32,
-// sum(xq) itself, and the integer sums of each group's two halves of 16 as one word (low 16
-// bits: the first half; each at most 2032 in magnitude).
+// sum(xq) itself, the integer sums of each group's two halves of 16 as one word (low 16
+// bits: the first half; each at most 2032 in magnitude), and per half a word of the sums of its
+// elements 4k, 4k + 1 (low) and 4k + 2, 4k + 3 (high): the AVX2 kernels' 16-bit offsets.
 struct QuantX {
   int64_t G;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum, halves;
+  std::vector<int32_t> sum, halves, pairs;
   const int8_t* row(int64_t m) const { return q.data() + m * G * kGroup; }
 };
 
 // Quantizes one group (32 floats at x) to q (32 bytes); where `residual` is given, writes
 // x - d * xq there (what the rounding left, for a second pass).
 inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum, int32_t* halves,
-                           float* residual = nullptr) {
+                           int32_t* pairs, float* residual = nullptr) {
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -197,6 +199,13 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
   *sum = first + second;
   *s = dd * static_cast<float>(first + second);  // exact: at most 32 * 127
   *halves = static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFFu) | (static_cast<uint32_t>(second) << 16));
+#if !kWide
+  // Per half of 16: the sums of elements 4k, 4k + 1 (low word) and 4k + 2, 4k + 3 (high word),
+  // what one 16-bit lane of a quad's products covers (see Int5Weights); each at most 1016.
+  const __m256i pairs8 = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  const __m128i pairs4 = _mm_add_epi32(_mm256_castsi256_si128(pairs8), _mm256_extracti128_si256(pairs8, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(pairs), _mm_packs_epi32(pairs4, pairs4));
+#endif
   if (residual) {
     const __m256 vd = _mm256_set1_ps(dd);
     const __m256 v[4] = {v0, v1, v2, v3};
@@ -212,7 +221,7 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
 QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
   const int64_t G = K / kGroup, Mq = M * passes;
   QuantX out{G, std::vector<int8_t>(Mq * K), std::vector<float>(Mq * G), std::vector<float>(Mq * G),
-             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G)};
+             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G), std::vector<int32_t>(2 * Mq * G)};
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     alignas(32) float left[kGroup];
     for (int64_t i = i0; i < i1; ++i) {
@@ -220,7 +229,7 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t j = (m * passes + p) * G + g;
         quantize_group(p ? left : x + i * kGroup, out.q.data() + j * kGroup, &out.d[j], &out.s[j], &out.sum[j],
-                       &out.halves[j], p + 1 < passes ? left : nullptr);
+                       &out.halves[j], &out.pairs[2 * j], p + 1 < passes ? left : nullptr);
       }
     }
   });
@@ -235,6 +244,7 @@ struct Rows {
   const float* s[R];
   const int32_t* sum[R];
   const int32_t* halves[R];
+  const int32_t* pairs[R];
   Rows(const QuantX& q, int64_t m0) {
     for (int r = 0; r < R; ++r) {
       const int64_t j = (m0 + r) * q.G;
@@ -243,6 +253,7 @@ struct Rows {
       s[r] = q.s.data() + j;
       sum[r] = q.sum.data() + j;
       halves[r] = q.halves.data() + j;
+      pairs[r] = q.pairs.data() + 2 * j;
     }
   }
 };
@@ -435,14 +446,15 @@ struct Int5Weights {
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out[0]);
 #else
-    // 4 quads' products (at most 2 * 31 * 127 a pair, 31496 in all) fit a 16-bit lane: quads 0-3
-    // and 4-7 are summed apart and widened.
+    // All 8 quads' products summed in 16-bit lanes, wrapping: a lane's true sum S (16 products
+    // of q in 0..31) may not fit, but S - 16 * (the lane's activation sum) = sum (q - 16) * xq,
+    // at most 16 * 16 * 127 = 32512 in magnitude, does, so the wrapped difference is exact.
     const VI lo4 = bytes(0x0F), plane[2] = {loadi(w + 256), loadi(w + 288)};
     VI acc[2][R];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) acc[h][r] = zero();
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
-      if constexpr (C % 2 == 0)
-        for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
       VI lo[2], hi[2];
       for (int h = 0; h < 2; ++h) {
         const VI b = loadi(w + 64 * C + 32 * h);
@@ -450,22 +462,27 @@ struct Int5Weights {
         hi[h] = or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane[h]), bit);
       }
       add_pairs<R>(lo, hi, C, x, g, acc);
-      if constexpr (C % 2 == 1)
-        for (int h = 0; h < 2; ++h)
-          for (int r = 0; r < R; ++r) out[h][r] = C == 1 ? madd_ones(acc[h][r]) : add32(out[h][r], madd_ones(acc[h][r]));
     });
+    for (int r = 0; r < R; ++r) {
+      const VI off = shl16<4>(add16(set32(x.pairs[r][2 * g]), set32(x.pairs[r][2 * g + 1])));
+      for (int h = 0; h < 2; ++h) out[h][r] = madd_ones(sub16(acc[h][r], off));
+      if constexpr (kMin)  // q * scale + min: the 16 * sum(xq) taken off above goes back
+        for (int h = 0; h < 2; ++h) out[h][r] = add32(out[h][r], shl32<4>(set32(x.sum[r][g])));
+    }
 #endif
+#if kWide
     if constexpr (!kMin)
       for (int h = 0; h < kHalves; ++h)
         for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
+#endif
   }
 };
 
 // Q6_K: q in 0..63, w = (q - 32) * sub * d, an int8 sub-scale per 16 elements (quads 0-3, 4-7)
-// and an fp16 d per 8 groups. AVX2 sums two quads' products (at most 2 * 2 * 63 * 127 = 32004
-// a 16-bit lane) in 16 bits and multiplies them by the half's sub-scale in vpmaddwd; AVX-512
-// sums each half in 32 bits (vpdpbusd) and multiplies in vpmulld: the same integers. The
-// offset, 32 * (sub_0 * h_0 + sub_1 * h_1) with h the row's half sums, goes in the integers too.
+// and an fp16 d per 8 groups. AVX2 sums each half's (q - 32) * xq in 16 bits and multiplies it
+// by the half's sub-scale in vpmaddwd; AVX-512 sums each half's q * xq in 32 bits (vpdpbusd),
+// multiplies in vpmulld and takes off 32 * (sub_0 * h_0 + sub_1 * h_1), with h the row's half
+// sums: the same integers.
 // A group's result, at most 32 * 32 * 127 * 128 < 2^24, is exact in fp32.
 struct Int6KWeights {
   static constexpr bool kHasMin = false;
@@ -503,18 +520,22 @@ struct Int6KWeights {
     for (int r = 0; r < R; ++r)
       out[0][r] = add32(_mm512_mullo_epi32(chains[0][r], sub0), _mm512_mullo_epi32(chains[1][r], sub1));
 #else
-    // Quads 2c and 2c + 1 (one nibble vector) are the pairs summed in 16 bits, as above, and
-    // multiplied by their sub-scale, broadcast to both 16-bit lanes, in vpmaddwd.
+    // Each half's sub-scale broadcast to both 16-bit lanes of its output, for vpmaddwd.
     VI first[2], second[2];
     for (int h = 0; h < 2; ++h) {
       first[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
       second[h] = shuffle8(subs[h], lanes16(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
     }
+    // Each sub-block's 4 quads summed in 16-bit lanes, wrapping: less 32 * the lane's activation
+    // sum that is sum (q - 32) * xq over 8 products, at most 8 * 32 * 127 = 32512 in magnitude,
+    // exact in the wrapped lane; vpmaddwd then multiplies it by the sub-scale, once a sub-block.
     const VI lo4 = bytes(0x0F);
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) out[h][r] = zero();
+    VI acc[2][R];
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
+      if constexpr (C % 2 == 0)
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < R; ++r) acc[h][r] = zero();
       VI lo[2], hi[2];
       for (int h = 0; h < 2; ++h) {
         const VI b = loadi(w + 64 * C + 32 * h), t = loadi(w + 256 + 64 * (C / 2) + 32 * h);
@@ -522,17 +543,21 @@ struct Int6KWeights {
         lo[h] = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
         hi[h] = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
       }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x.x[r] + g * kGroup + 8 * C;
-        const VI xl = quad(xr), xh = quad(xr + 4);
-        for (int h = 0; h < 2; ++h)
-          out[h][r] = dp_i16(out[h][r], add16(maddubs(lo[h], xl), maddubs(hi[h], xh)), C < 2 ? first[h] : second[h]);
-        asm("" : "+x"(out[0][r]), "+x"(out[1][r]));  // as in add_pairs
-      }
+      add_pairs<R>(lo, hi, C, x, g, acc);
+      if constexpr (C % 2 == 1)
+        for (int r = 0; r < R; ++r) {
+          const VI off = shl16<5>(set32(x.pairs[r][2 * g + C / 2]));
+          for (int h = 0; h < 2; ++h) {
+            const VI t = madd16(sub16(acc[h][r], off), C < 2 ? first[h] : second[h]);
+            out[h][r] = C < 2 ? t : add32(out[h][r], t);
+          }
+        }
     });
 #endif
+#if kWide
     for (int h = 0; h < kHalves; ++h)
       for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<5>(madd16(subs[h], set32(x.halves[r][g]))));
+#endif
   }
 };
 
