@@ -59,7 +59,7 @@ def test_quantizer_keeps_the_format(fmt):
 
 
 # Rows: the kernels' tiles (up to 8 rows with AVX-512, 6 for q6_k; 4 with AVX2), their remainders,
-# several tiles.
+# several tiles (from 5 rows on AVX2 q5_0, q5_1 and q6_k decode each panel once: qlinear.cpp's kDecoded).
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17]
 FILE_FORMATS = ["q5_0", "q5_1", "q6_k", "q4_k"]  # a GGUF's blocks as they are (file_format below)
 

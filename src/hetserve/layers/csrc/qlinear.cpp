@@ -328,11 +328,36 @@ __attribute__((always_inline)) inline void add_pairs(const VI (&lo)[2], const VI
 }
 #endif
 
+// Calls of several tiles a panel on AVX2 decode each panel once (decode_panel) into its groups'
+// unsigned quads, as `quads<C>` unpacks them: kDecoded bytes a group, for C = 0 .. 3 the two
+// halves' quads 2C then 2C + 1. Their tiles load those bytes where a tile would unpack the group
+// itself, once per 4 rows. Same integers, same bits. On a Zen 1 EPYC (the two builds alternated
+// in one process, synthetic weights): q5_0 4864 x 896 1.32-1.36x at 512 rows, 1.18x at 16,
+// 1.05-1.06x at 5-7; q6_k 8960 x 1536 1.24-1.27x at 512, 1.15x at 16, 1.02x at 6.
+constexpr int64_t kDecoded = 8 * 64;
+
+#if !kWide
+// Quads 2C (lo) and 2C + 1 (hi) of the group at src, both halves: decoded bytes (kDec) or unpacked.
+template <bool kDec, int C, class W>
+__attribute__((always_inline)) inline void group_quads(const W& w, const uint8_t* src, VI (&lo)[2], VI (&hi)[2]) {
+  if constexpr (kDec) {
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = loadi(src + 128 * C + 32 * h);
+      hi[h] = loadi(src + 128 * C + 64 + 32 * h);
+    }
+  } else {
+    w.template quads<C>(src, lo, hi);
+  }
+}
+#endif
+
 // The weight formats give, for group g of panel p, each tile row's exact integer dot product with
 // the group's weights as stored (for q5_0 and int8 with their offsets taken off), one output a
 // lane of out[h] (h: the panel's half on AVX2); `scales` the floats each dot product is
-// multiplied by, and, where kHasMin, `mins` the offsets times the row's d * sum(xq).
+// multiplied by, and, where kHasMin, `mins` the offsets times the row's d * sum(xq). With kDec
+// (AVX2 formats with kDecodes) the group's quads come from `dec`, the panel's decoded bytes.
 struct Int8Weights {
+  static constexpr bool kDecodes = false;  // its bytes are its quads: there is nothing to unpack
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBytes = 8 * 64;
   static constexpr int kPrefetchRows = kWide ? 3 : 1;  // see kPrefetchL1
@@ -340,8 +365,9 @@ struct Int8Weights {
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
-  template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+  template <int R, bool kDec = false>
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
+                                                  const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
 #if kWide
     // vpdpbusd multiplies unsigned by signed bytes: q + 128 (0..255) is unsigned, and the
@@ -370,6 +396,9 @@ struct Int8Weights {
 
 struct Int4Weights {
   static constexpr bool kHasMin = true;
+  // Its nibbles unpack in 3 instructions a vector, less than loading decoded bytes costs: on a
+  // Zen 1, 8960 x 1536, decoded panels ran 1.005x at 512 rows and 0.89-0.94x at 6-16.
+  static constexpr bool kDecodes = false;
   static constexpr int64_t kBytes = 4 * 64;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
@@ -377,8 +406,9 @@ struct Int4Weights {
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
-  template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+  template <int R, bool kDec = false>
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
+                                                  const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
 #if kWide
     VI v[8], chains[kChains<R>][R];
@@ -388,18 +418,29 @@ struct Int4Weights {
     unsigned_sums<R>(chains, out[0]);
 #else
     // All 8 quads' products (at most 2 * 15 * 127 a pair, 30480 in all) fit a 16-bit lane.
-    const VI lo4 = bytes(0x0F);
+    const uint8_t* src = kDec ? dec + g * kDecoded : w;
     VI acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero();
-    for (int c = 0; c < 4; ++c) {
-      const VI b[2] = {loadi(w + 64 * c), loadi(w + 64 * c + 32)};
-      add_pairs<R>({and_(b[0], lo4), and_(b[1], lo4)}, {and_(shr16<4>(b[0]), lo4), and_(shr16<4>(b[1]), lo4)}, c, x,
-                   g, acc);
-    }
+    each_vector([&](auto c) {
+      VI lo[2], hi[2];
+      group_quads<kDec, decltype(c)::value>(*this, src, lo, hi);
+      add_pairs<R>(lo, hi, decltype(c)::value, x, g, acc);
+    });
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < R; ++r) out[h][r] = madd_ones(acc[h][r]);
 #endif
   }
+#if !kWide
+  template <int C>
+  __attribute__((always_inline)) inline void quads(const uint8_t* w, VI (&lo)[2], VI (&hi)[2]) const {
+    const VI lo4 = bytes(0x0F);
+    for (int h = 0; h < 2; ++h) {
+      const VI b = loadi(w + 64 * C + 32 * h);
+      lo[h] = and_(b, lo4);
+      hi[h] = and_(shr16<4>(b), lo4);
+    }
+  }
+#endif
 };
 
 // Q4_K: int4's nibbles and dot products; each group's scale d * sc and offset -dmin * m are
@@ -422,6 +463,7 @@ struct Int4KWeights : Int4Weights {
 template <bool kMin>
 struct Int5Weights {
   static constexpr bool kHasMin = kMin;
+  static constexpr bool kDecodes = true;
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
@@ -429,11 +471,12 @@ struct Int5Weights {
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
-  template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+  template <int R, bool kDec = false>
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
+                                                  const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
-    const VI bit = bytes(0x10);
 #if kWide
+    const VI bit = bytes(0x10);
     const VI plane = loadi(w + 256);
     VI v[8], chains[kChains<R>][R];
     nibbles(w, v);
@@ -449,19 +492,14 @@ struct Int5Weights {
     // All 8 quads' products summed in 16-bit lanes, wrapping: a lane's true sum S (16 products
     // of q in 0..31) may not fit, but S - 16 * (the lane's activation sum) = sum (q - 16) * xq,
     // at most 16 * 16 * 127 = 32512 in magnitude, does, so the wrapped difference is exact.
-    const VI lo4 = bytes(0x0F), plane[2] = {loadi(w + 256), loadi(w + 288)};
+    const uint8_t* src = kDec ? dec + g * kDecoded : w;
     VI acc[2][R];
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < R; ++r) acc[h][r] = zero();
     each_vector([&](auto c) {
-      constexpr int C = decltype(c)::value;
       VI lo[2], hi[2];
-      for (int h = 0; h < 2; ++h) {
-        const VI b = loadi(w + 64 * C + 32 * h);
-        lo[h] = or_and(and_(b, lo4), bit_to_4<2 * C>(plane[h]), bit);
-        hi[h] = or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane[h]), bit);
-      }
-      add_pairs<R>(lo, hi, C, x, g, acc);
+      group_quads<kDec, decltype(c)::value>(*this, src, lo, hi);
+      add_pairs<R>(lo, hi, decltype(c)::value, x, g, acc);
     });
     for (int r = 0; r < R; ++r) {
       const VI off = shl16<4>(add16(set32(x.pairs[r][2 * g]), set32(x.pairs[r][2 * g + 1])));
@@ -476,6 +514,17 @@ struct Int5Weights {
         for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
 #endif
   }
+#if !kWide
+  template <int C>
+  __attribute__((always_inline)) inline void quads(const uint8_t* w, VI (&lo)[2], VI (&hi)[2]) const {
+    const VI lo4 = bytes(0x0F), bit = bytes(0x10);
+    for (int h = 0; h < 2; ++h) {
+      const VI b = loadi(w + 64 * C + 32 * h), plane = loadi(w + 256 + 32 * h);
+      lo[h] = or_and(and_(b, lo4), bit_to_4<2 * C>(plane), bit);
+      hi[h] = or_and(and_(shr16<4>(b), lo4), bit_to_4<2 * C + 1>(plane), bit);
+    }
+  }
+#endif
 };
 
 // Q6_K: q in 0..63, w = (q - 32) * sub * d, an int8 sub-scale per 16 elements (quads 0-3, 4-7)
@@ -486,6 +535,7 @@ struct Int5Weights {
 // A group's result, at most 32 * 32 * 127 * 128 < 2^24, is exact in fp32.
 struct Int6KWeights {
   static constexpr bool kHasMin = false;
+  static constexpr bool kDecodes = true;
   static constexpr int64_t kBytes = 4 * 64 + 2 * 64 + 32;
   static constexpr int kPrefetchRows = 1;
   // Two sums a row (one per sub-scale) and the 8 unpacked vectors leave AVX-512's 32 registers
@@ -495,10 +545,10 @@ struct Int6KWeights {
   const uint8_t* q; const at::Half* d; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(d + (p * (G / 8) + g / 8) * kPanel + h * kLanes); }
-  template <int R>
-  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R]) const {
+  template <int R, bool kDec = false>
+  __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
+                                                  const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
-    const VI top = bytes(0x30);
     // 16-bit lanes 2n, 2n + 1: output n's two sub-scales (those of the group's first and last 16
     // elements); per half on AVX2.
     VI subs[kHalves];
@@ -508,7 +558,7 @@ struct Int6KWeights {
     // multiplies by the half's sub-scale: 8 + 2 instructions a row where the 16-bit route took 16.
     VI v[8];
     nibbles(w, v);
-    const VI t0 = loadi(w + 256), t1 = loadi(w + 320);
+    const VI top = bytes(0x30), t0 = loadi(w + 256), t1 = loadi(w + 320);
     const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
     for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
     const VI sub0 = _mm512_srai_epi32(shl32<16>(subs[0]), 16), sub1 = _mm512_srai_epi32(subs[0], 16);
@@ -529,7 +579,7 @@ struct Int6KWeights {
     // Each sub-block's 4 quads summed in 16-bit lanes, wrapping: less 32 * the lane's activation
     // sum that is sum (q - 32) * xq over 8 products, at most 8 * 32 * 127 = 32512 in magnitude,
     // exact in the wrapped lane; vpmaddwd then multiplies it by the sub-scale, once a sub-block.
-    const VI lo4 = bytes(0x0F);
+    const uint8_t* src = kDec ? dec + g * kDecoded : w;
     VI acc[2][R];
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
@@ -537,12 +587,7 @@ struct Int6KWeights {
         for (int h = 0; h < 2; ++h)
           for (int r = 0; r < R; ++r) acc[h][r] = zero();
       VI lo[2], hi[2];
-      for (int h = 0; h < 2; ++h) {
-        const VI b = loadi(w + 64 * C + 32 * h), t = loadi(w + 256 + 64 * (C / 2) + 32 * h);
-        // Top vector C / 2 holds quad 2C's bits at 2s, 2s + 1 with s = 2C % 4, quad 2C + 1's at s + 1.
-        lo[h] = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
-        hi[h] = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
-      }
+      group_quads<kDec, C>(*this, src, lo, hi);
       add_pairs<R>(lo, hi, C, x, g, acc);
       if constexpr (C % 2 == 1)
         for (int r = 0; r < R; ++r) {
@@ -559,6 +604,18 @@ struct Int6KWeights {
       for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<5>(madd16(subs[h], set32(x.halves[r][g]))));
 #endif
   }
+#if !kWide
+  template <int C>
+  __attribute__((always_inline)) inline void quads(const uint8_t* w, VI (&lo)[2], VI (&hi)[2]) const {
+    const VI lo4 = bytes(0x0F), top = bytes(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const VI b = loadi(w + 64 * C + 32 * h), t = loadi(w + 256 + 64 * (C / 2) + 32 * h);
+      // Top vector C / 2 holds quad 2C's bits at 2s, 2s + 1 with s = 2C % 4, quad 2C + 1's at s + 1.
+      lo[h] = or_and(and_(b, lo4), C % 2 ? t : shl16<4>(t), top);
+      hi[h] = or_and(and_(shr16<4>(b), lo4), C % 2 ? shr16<2>(t) : shl16<2>(t), top);
+    }
+  }
+#endif
 };
 
 // Software prefetches in the weight stream. Each thread reads its panels' weights as one
@@ -601,8 +658,9 @@ PrefetchDistances g_prefetch[2];  // [0]: tiles of 1 row, [1]: of more (native.p
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
 // panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
 // keep both halves' sums in registers): in two passes, memory sat idle during the second.
-template <int R, class W>
-void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const float* bias, float* y) {
+template <int R, class W, bool kDec = false>
+void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const float* bias, float* y,
+          const uint8_t* dec = nullptr) {
   const Rows<R> x(xq, m0);
   VF acc[kHalves][R];
   for (int h = 0; h < kHalves; ++h)
@@ -610,14 +668,14 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
   const int64_t l1 = g_prefetch[R > 1].l1, l2 = g_prefetch[R > 1].l2;
   for (int64_t g = 0; g < w.G; ++g) {
     const char* here = reinterpret_cast<const char*>(w.group(p, g));
-    if constexpr (R >= W::kPrefetchRows) {
+    if constexpr (R >= W::kPrefetchRows && !kDec) {
       if (l2)
         for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
       if (l1)
         for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
     }
     VI dots[kHalves][R];
-    w.template dots<R>(p, g, x, dots);
+    w.template dots<R, kDec>(p, g, x, dots, dec);
     for (int h = 0; h < kHalves; ++h) {
       const VF ws = w.scales(p, g, h);
       for (int r = 0; r < R; ++r) acc[h][r] = fmadd(cvt(dots[h][r]), mul(ws, setf(x.d[r][g])), acc[h][r]);
@@ -639,13 +697,42 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
 }
 
 // The last rows (fewer than W::kRows) as one tile.
-template <int R, class W>
-void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64_t N, const float* bias, float* y) {
+template <int R, class W, bool kDec = false>
+void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64_t N, const float* bias, float* y,
+          const uint8_t* dec = nullptr) {
   if constexpr (R > 0) {
-    if (left == R) tile<R>(w, x, m, p, N, bias, y);
-    else rest<R - 1>(w, x, m, left, p, N, bias, y);
+    if (left == R) tile<R, W, kDec>(w, x, m, p, N, bias, y, dec);
+    else rest<R - 1, W, kDec>(w, x, m, left, p, N, bias, y, dec);
   }
 }
+
+// Rows from this many on (two tiles a panel or more) decode each panel once, on AVX2: see kDecoded.
+constexpr int64_t kDecodeRows = kMaxRows + 1;
+
+#if !kWide
+// Panel p's groups decoded to their unsigned quads at out (kDecoded bytes a group).
+template <class W>
+void decode_panel(const W& w, int64_t p, uint8_t* out) {
+  const int64_t l1 = g_prefetch[1].l1, l2 = g_prefetch[1].l2;
+  for (int64_t g = 0; g < w.G; ++g, out += kDecoded) {
+    const uint8_t* src = w.group(p, g);
+    const char* here = reinterpret_cast<const char*>(src);
+    if (l2)
+      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
+    if (l1)
+      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
+    each_vector([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      VI lo[2], hi[2];
+      w.template quads<C>(src, lo, hi);
+      for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * C + 32 * h), lo[h]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * C + 64 + 32 * h), hi[h]);
+      }
+    });
+  }
+}
+#endif
 
 // Panels 0 .. n - 1 shared among the threads: each starts on its own contiguous range and walks
 // it front to back (one sequential stream of weights, as the hardware prefetchers want); a
@@ -709,6 +796,19 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   // its first tile of rows, and stays in cache for the others.
   parallel_panels(num_panels(N), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
+#if !kWide
+      if constexpr (W::kDecodes) {
+        if (M >= kDecodeRows) {
+          static thread_local std::vector<uint8_t> dec;
+          dec.resize(w.G * kDecoded);
+          decode_panel(w, p, dec.data());
+          int64_t m = 0;
+          for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows, W, true>(w, xq, m, p, N, bp, yp, dec.data());
+          rest<W::kRows - 1, W, true>(w, xq, m, M - m, p, N, bp, yp, dec.data());
+          continue;
+        }
+      }
+#endif
       int64_t m = 0;
       for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows>(w, xq, m, p, N, bp, yp);
       rest<W::kRows - 1>(w, xq, m, M - m, p, N, bp, yp);
