@@ -163,7 +163,8 @@ inline int32_t hsum8_epi32(__m256i v) {
 // Activations quantized per group, in element order: xq int8, d (scale), s = d * sum(xq) fp32,
 // sum(xq) itself, the integer sums of each group's two halves of 16 as one word (low 16
 // bits: the first half; each at most 2032 in magnitude), and per half a word of the sums of its
-// elements 4k, 4k + 1 (low) and 4k + 2, 4k + 3 (high): the AVX2 kernels' 16-bit offsets.
+// elements 4k, 4k + 1 (low) and 4k + 2, 4k + 3 (high): the AVX2 kernels' 16-bit offsets (the
+// AVX-512 build leaves `pairs` empty).
 struct QuantX {
   int64_t G;
   std::vector<int8_t> q;
@@ -221,7 +222,7 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
 QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
   const int64_t G = K / kGroup, Mq = M * passes;
   QuantX out{G, std::vector<int8_t>(Mq * K), std::vector<float>(Mq * G), std::vector<float>(Mq * G),
-             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G), std::vector<int32_t>(2 * Mq * G)};
+             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G), std::vector<int32_t>(kWide ? 0 : 2 * Mq * G)};
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     alignas(32) float left[kGroup];
     for (int64_t i = i0; i < i1; ++i) {
@@ -229,7 +230,7 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t j = (m * passes + p) * G + g;
         quantize_group(p ? left : x + i * kGroup, out.q.data() + j * kGroup, &out.d[j], &out.s[j], &out.sum[j],
-                       &out.halves[j], &out.pairs[2 * j], p + 1 < passes ? left : nullptr);
+                       &out.halves[j], kWide ? nullptr : &out.pairs[2 * j], p + 1 < passes ? left : nullptr);
       }
     }
   });
@@ -253,7 +254,7 @@ struct Rows {
       s[r] = q.s.data() + j;
       sum[r] = q.sum.data() + j;
       halves[r] = q.halves.data() + j;
-      pairs[r] = q.pairs.data() + 2 * j;
+      pairs[r] = kWide ? nullptr : q.pairs.data() + 2 * j;
     }
   }
 };
@@ -488,6 +489,8 @@ struct Int5Weights {
     zero_chains<R>(chains);
     for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
     unsigned_sums<R>(chains, out[0]);
+    if constexpr (!kMin)
+      for (int r = 0; r < R; ++r) out[0][r] = sub32(out[0][r], shl32<4>(set32(x.sum[r][g])));
 #else
     // All 8 quads' products summed in 16-bit lanes, wrapping: a lane's true sum S (16 products
     // of q in 0..31) may not fit, but S - 16 * (the lane's activation sum) = sum (q - 16) * xq,
@@ -507,11 +510,6 @@ struct Int5Weights {
       if constexpr (kMin)  // q * scale + min: the 16 * sum(xq) taken off above goes back
         for (int h = 0; h < 2; ++h) out[h][r] = add32(out[h][r], shl32<4>(set32(x.sum[r][g])));
     }
-#endif
-#if kWide
-    if constexpr (!kMin)
-      for (int h = 0; h < kHalves; ++h)
-        for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<4>(set32(x.sum[r][g])));
 #endif
   }
 #if !kWide
@@ -568,7 +566,8 @@ struct Int6KWeights {
       for (int r = 0; r < R; ++r)
         chains[k / 4][r] = _mm512_dpbusd_epi32(chains[k / 4][r], v[k], quad(x.x[r] + g * kGroup + 4 * k));
     for (int r = 0; r < R; ++r)
-      out[0][r] = add32(_mm512_mullo_epi32(chains[0][r], sub0), _mm512_mullo_epi32(chains[1][r], sub1));
+      out[0][r] = sub32(add32(_mm512_mullo_epi32(chains[0][r], sub0), _mm512_mullo_epi32(chains[1][r], sub1)),
+                        shl32<5>(madd16(subs[0], set32(x.halves[r][g]))));
 #else
     // Each half's sub-scale broadcast to both 16-bit lanes of its output, for vpmaddwd.
     VI first[2], second[2];
@@ -598,10 +597,6 @@ struct Int6KWeights {
           }
         }
     });
-#endif
-#if kWide
-    for (int h = 0; h < kHalves; ++h)
-      for (int r = 0; r < R; ++r) out[h][r] = sub32(out[h][r], shl32<5>(madd16(subs[h], set32(x.halves[r][g]))));
 #endif
   }
 #if !kWide
