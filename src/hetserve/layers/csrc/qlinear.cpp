@@ -650,6 +650,15 @@ struct PrefetchDistances {
 };
 PrefetchDistances g_prefetch[2];  // [0]: tiles of 1 row, [1]: of more (native.py sets [0] at load)
 
+// The `bytes` of a group, asked for l2 bytes ahead into L2 and l1 ahead into L1 (0: none).
+inline void prefetch_group(const uint8_t* group, int64_t bytes, int64_t l1, int64_t l2) {
+  const char* here = reinterpret_cast<const char*>(group);
+  if (l2)
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
+  if (l1)
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
+}
+
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
 // panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
 // keep both halves' sums in registers): in two passes, memory sat idle during the second.
@@ -662,13 +671,7 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
     for (int r = 0; r < R; ++r) acc[h][r] = zerof();
   const int64_t l1 = g_prefetch[R > 1].l1, l2 = g_prefetch[R > 1].l2;
   for (int64_t g = 0; g < w.G; ++g) {
-    const char* here = reinterpret_cast<const char*>(w.group(p, g));
-    if constexpr (R >= W::kPrefetchRows && !kDec) {
-      if (l2)
-        for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
-      if (l1)
-        for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
-    }
+    if constexpr (R >= W::kPrefetchRows && !kDec) prefetch_group(w.group(p, g), W::kBytes, l1, l2);
     VI dots[kHalves][R];
     w.template dots<R, kDec>(p, g, x, dots, dec);
     for (int h = 0; h < kHalves; ++h) {
@@ -701,6 +704,15 @@ void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64
   }
 }
 
+// Panel p against all M rows: tiles of W::kRows, then the rest as one tile.
+template <class W, bool kDec = false>
+void panel_rows(const W& w, const QuantX& xq, int64_t M, int64_t p, int64_t N, const float* bias, float* y,
+                const uint8_t* dec = nullptr) {
+  int64_t m = 0;
+  for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows, W, kDec>(w, xq, m, p, N, bias, y, dec);
+  rest<W::kRows - 1, W, kDec>(w, xq, m, M - m, p, N, bias, y, dec);
+}
+
 // Rows from this many on (two tiles a panel or more) decode each panel once, on AVX2: see kDecoded.
 constexpr int64_t kDecodeRows = kMaxRows + 1;
 
@@ -711,11 +723,7 @@ void decode_panel(const W& w, int64_t p, uint8_t* out) {
   const int64_t l1 = g_prefetch[1].l1, l2 = g_prefetch[1].l2;
   for (int64_t g = 0; g < w.G; ++g, out += kDecoded) {
     const uint8_t* src = w.group(p, g);
-    const char* here = reinterpret_cast<const char*>(src);
-    if (l2)
-      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);
-    if (l1)
-      for (int64_t l = 0; l < W::kBytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
+    prefetch_group(src, W::kBytes, l1, l2);
     each_vector([&](auto c) {
       constexpr int C = decltype(c)::value;
       VI lo[2], hi[2];
@@ -797,16 +805,12 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
           static thread_local std::vector<uint8_t> dec;
           dec.resize(w.G * kDecoded);
           decode_panel(w, p, dec.data());
-          int64_t m = 0;
-          for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows, W, true>(w, xq, m, p, N, bp, yp, dec.data());
-          rest<W::kRows - 1, W, true>(w, xq, m, M - m, p, N, bp, yp, dec.data());
+          panel_rows<W, true>(w, xq, M, p, N, bp, yp, dec.data());
           continue;
         }
       }
 #endif
-      int64_t m = 0;
-      for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows>(w, xq, m, p, N, bp, yp);
-      rest<W::kRows - 1>(w, xq, m, M - m, p, N, bp, yp);
+      panel_rows(w, xq, M, p, N, bp, yp);
     }
   });
   if (passes == 1) return y;
