@@ -103,6 +103,24 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_bench_serve_measures_the_server(server, tmp_path):
+    """`hetserve bench serve` against a live server: every request served with exactly the tokens
+    asked for, and its summaries ordered (median <= p99 <= max)."""
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "-m", "hetserve.cli", "bench", "serve", "--url", server.url,
+                        "--num-prompts", "4", "--max-concurrency", "2", "--input-tokens", "40",
+                        "--output-tokens", "6", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert (rep["completed"], rep["failed"]) == (4, 0)
+    assert (rep["total_input_tokens"], rep["total_output_tokens"]) == (4 * 40, 4 * 6)
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        v = rep[key]
+        assert 0 < v["median"] <= v["p99"] <= v["max"], (key, v)
+    assert rep["ttft_s"]["max"] <= rep["e2e_s"]["max"]
+    assert "ITL mean" in r.stdout and "max" in r.stdout
+
+
 def test_completions_sync(client):
     r = client.completions.create(model=model_id(client), prompt="def add(a, b):", max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -3,8 +3,10 @@
 Sends --num-prompts streaming completions of exactly --input-tokens prompt tokens (token
 ids, so no tokenizer is needed here; EOS ignored, --output-tokens each) with at most
 --max-concurrency in flight, arriving as a Poisson process at --request-rate per second
-(inf: all at once). Reports TTFT, TPOT, ITL and E2E (mean, median, p99), request and
-output throughput and the failed count; --out writes JSON.
+(inf: all at once). Reports TTFT, TPOT, ITL and E2E (mean, median, p99, max), request and
+output throughput and the failed count; --out writes JSON. ITL's max beside its p99: a server
+that stalls a few streams for long (a big prefill batch) and one that stalls many briefly can
+share a p99.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import time
 
 def _summary(values: list[float]) -> dict:
     if not values:
-        return {"mean": None, "median": None, "p99": None}
+        return {"mean": None, "median": None, "p99": None, "max": None}
     s = sorted(values)
     return {"mean": round(statistics.mean(s), 4), "median": round(statistics.median(s), 4),
-            "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4)}
+            "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4), "max": round(s[-1], 4)}
 
 
 async def _one(client, url: str, prompt: list[int], args, headers) -> dict:
@@ -92,13 +94,15 @@ async def _run(args) -> dict:
         duration = time.perf_counter() - t0
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
     return {
         "benchmark": "serve", "url": args.url, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate, "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
         "duration_s": round(duration, 2), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "request_throughput": round(len(ok) / duration, 4), "output_throughput": round(out_tokens / duration, 2),
-        "total_token_throughput": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / duration, 2),
+        "total_input_tokens": prompt_tokens, "total_output_tokens": out_tokens,
+        "total_token_throughput": round((out_tokens + prompt_tokens) / duration, 2),
         "ttft_s": _summary([r["ttft"] for r in ok]), "tpot_s": _summary([r["tpot"] for r in ok if r["tpot"]]),
         "itl_s": _summary([x for r in ok for x in r["itl"]]), "e2e_s": _summary([r["e2e"] for r in ok]),
         "command": " ".join(sys.argv),
@@ -113,7 +117,8 @@ def main(args) -> int:
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         v = report[key]
         if v["mean"] is not None:
-            print(f"{key[:-2].upper():>5} mean {v['mean']:.3f}s  median {v['median']:.3f}s  p99 {v['p99']:.3f}s")
+            print(f"{key[:-2].upper():>5} mean {v['mean']:.3f}s  median {v['median']:.3f}s  p99 {v['p99']:.3f}s  "
+                  f"max {v['max']:.3f}s")
     if report["errors"]:
         print("errors:", report["errors"])
     if args.out:
