@@ -25,7 +25,7 @@ test: install
 	@# The web page's browser tests use Debian's chromium (they skip, saying why, without one).
 	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		apt-get update -qq && apt-get install -y -qq chromium) || echo "chromium not installed: the browser tests will skip"
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 bench: install
 	$(VENV)/bin/hetserve bench latency --model $(MODEL) --prompt-tokens 512 --output-tokens 128
