@@ -7,6 +7,7 @@ import pytest
 from hetserve import LLM, SamplingParams
 from hetserve.core.engine import RequestRejected
 from hetserve.core.request import Request
+from hetserve.core.scheduler import PrefillPacer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -72,6 +73,47 @@ def test_long_prompt_chunks_mix_with_decodes(tiny_qwen2):
     eng.add_request(Request("exact", list(range(100, 108)), SamplingParams(max_tokens=4, temperature=0)))
     sched = eng.scheduler.schedule()
     assert [(r.request_id, n) for r, n in sched.scheduled] == [("short2", 1), ("exact", 8)]  # whole, in one step
+    for r in list(eng.requests):
+        eng.abort(r)
+    assert eng.num_free_pages == eng.pool.num_blocks
+
+
+def test_prefill_pacer_sizes_chunks_from_timed_steps():
+    p = PrefillPacer(target_s=1.0, cap=512, page_size=16)
+    assert p.budget == 512  # nothing timed yet: the whole budget
+    p.observe(32, 5.0)  # under 64 prompt tokens: the step's decodes, not its prefill, set its time
+    assert p.budget == 512
+    p.observe(512, 5.12)  # 10 ms a token: 100 tokens in a second, 96 in whole pages
+    assert p.budget == 96
+    for _ in range(30):
+        p.observe(96, 4.0)  # the machine slows (or the decodes riding along cost more)
+    assert p.budget == 64  # never under the floor: prompts still progress
+    for _ in range(30):
+        p.observe(512, 0.5)  # a CPU that prefills 1024 tokens a second
+    assert p.budget == 512
+    assert PrefillPacer(1.0, cap=8, page_size=4).floor == 8  # a budget under the floor is left alone
+
+
+def test_decodes_cap_the_prompt_chunk_at_the_stall_budget(tiny_qwen2):
+    """While a request decodes, a step's prompt chunk holds what the pacer says prefills in
+    max_decode_stall seconds; with nothing decoding a prompt gets the whole budget."""
+    llm = make_llm(tiny_qwen2, max_num_batched_tokens=64, max_decode_stall=10.0)
+    eng = llm.engine
+    eng.add_request(Request("first", list(range(1, 71)), SamplingParams(max_tokens=30, temperature=0)))
+    eng.step()  # 64 prompt tokens, timed
+    assert eng.scheduler.pacer.seconds_per_token > 0
+    assert eng.scheduler.pacer.budget == 64  # the tiny model prefills far more than 64 tokens in 10 s
+    eng.step()
+    eng.step()  # first is decoding now
+    eng.scheduler.pacer = PrefillPacer(target_s=1.0, cap=64, page_size=4, floor=8)
+    eng.scheduler.pacer.observe(20, 1.0)  # as if a prompt token took 50 ms: 20 tokens a second
+    eng.add_request(Request("long", list(range(100, 160)), SamplingParams(max_tokens=4, temperature=0)))
+    sched = eng.scheduler.schedule()
+    assert [(r.request_id, n) for r, n in sched.scheduled] == [("first", 1), ("long", 20)]
+    assert sched.num_prompt_tokens == 20
+    eng.abort("first")
+    sched = eng.scheduler.schedule()  # nothing decodes (and no step ran): long's whole prompt at once
+    assert [(r.request_id, n) for r, n in sched.scheduled] == [("long", 60)]
     for r in list(eng.requests):
         eng.abort(r)
     assert eng.num_free_pages == eng.pool.num_blocks

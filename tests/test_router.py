@@ -140,7 +140,10 @@ def test_device_specs_and_overrides():
     assert (specs[4].threads, specs[4].dtype, specs[4].engine["max_num_seqs"]) == (None, "bfloat16", 8)
     one = parse_devices(["cpu:threads=2,deterministic=true"], {}, "float32")[0]
     assert (one.name, one.threads, one.engine) == ("cpu", 2, {"deterministic": True})
-    for bad in ("tpu", "cpu,colour=red", "cpu,max_num_seqs=0", "gpu:1", "cpu,threads=0", "cpu,max_num_seqs=x"):
+    floats = parse_devices(["cpu,max_decode_stall=0.5,spec_tv_budget=0.25"], {}, "float32")[0]
+    assert floats.engine == {"max_decode_stall": 0.5, "spec_tv_budget": 0.25}
+    for bad in ("tpu", "cpu,colour=red", "cpu,max_num_seqs=0", "gpu:1", "cpu,threads=0", "cpu,max_num_seqs=x",
+                "cpu,max_decode_stall=soon", "cpu,max_decode_stall=-1"):
         with pytest.raises(ValueError):
             parse_devices([bad], {}, "float32")
 

@@ -17,6 +17,9 @@ _ENGINE_HELP = {
               "several (one worker each), each with optional ,key=value overrides, e.g. cpu:threads=1,dtype=float32",
     "dtype": "activation dtype (float32; bfloat16/float16 fall back to float32 where they have no fast kernels)",
     "max_num_batched_tokens": "prompt tokens of one step (prefill chunks); decodes and their drafts come on top",
+    "max_decode_stall": "seconds running streams may wait for a prompt chunk: while requests decode, a step holds "
+                        "at most the prompt tokens that prefill in this long (measured), at least 64; 0 = the "
+                        "whole --max-num-batched-tokens",
     "max_num_seqs": "most requests running at once",
     "page_size": "tokens per KV page",
     "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",

@@ -28,6 +28,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_num_batched_tokens: int = 512
+    max_decode_stall: float = 1.0  # seconds: a step with decodes holds the prompt tokens that prefill in this long (0 = off)
     max_num_seqs: int = 8
     page_size: int = 16
     kv_cache_memory: str = "1GiB"
@@ -67,6 +68,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_decode_stall
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"max_decode_stall must be a non-negative number of seconds (0 = off), got {v!r}")
         if self.scheduling_policy not in ("fcfs", "shortest-prefill-first"):
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if self.kv_cache not in ("paged", "contiguous"):

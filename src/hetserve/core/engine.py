@@ -224,8 +224,11 @@ class EngineCore:
         t0 = time.perf_counter()
         with trace.span("forward", requests=len(sched.scheduled), tokens=sched.num_tokens):
             sampled = self.runner.execute(sched.scheduled)
+        seconds = time.perf_counter() - t0
         if spec is not None:
-            spec.after_forward(sched, time.perf_counter() - t0, draft_seconds)
+            spec.after_forward(sched, seconds, draft_seconds)
+        if self.scheduler.pacer is not None:
+            self.scheduler.pacer.observe(sched.num_prompt_tokens, seconds)
         now = time.monotonic()
         incremental = self.config.prefix_publish == "incremental"
         for req, n in sched.scheduled:

@@ -10,6 +10,12 @@ budget, the decodes took its last few tokens from each prompt's chunk: 8
 concurrent 512-token prompts under a 512 budget each finished prefill a whole
 step late (mean TTFT 5.6-6.3 s against 4.5-4.8 on a Zen 4, 0.5B).
 
+While requests decode, every one of them waits for the step's prompt chunk, so a step that
+carries decodes carries at most the prompt tokens the engine prefills in `max_decode_stall`
+seconds (`PrefillPacer`, from the steps it has timed); a step without decodes keeps the whole
+budget. On a CPU that prefills 512 tokens of the 0.5B in 4-7 s (a Zen 1), a 512-token chunk
+stalled every stream that long; on one that prefills them in under a second nothing changes.
+
 When pages run out for a running request, the most recently admitted running
 request is preempted: its pages are freed and it goes back to the front of the
 queue, keeping the tokens it generated. Waiting requests never preempt running
@@ -40,6 +46,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
     num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> K drafts to verify this step
+    num_prompt_tokens: int = 0  # of the budget: prompt chunks and recomputed spans
 
     @property
     def num_tokens(self) -> int:
@@ -52,10 +59,41 @@ class SchedulerOutput:
             self.num_drafts = {rid: k - missing.get(rid, 0) for rid, k in self.num_drafts.items()}
 
 
+class PrefillPacer:
+    """The prompt tokens a step that carries decodes may hold: about what prefills in `target_s`
+    seconds, from a running mean of the seconds a prompt token took in timed steps (each step's
+    seconds over its prompt tokens: the decodes riding along count in, so the step, not just its
+    chunk, stays near the target). In whole pages, at least `floor` tokens (the decodes alone can
+    take the target), at most `cap`; `cap` until a step has been timed."""
+
+    weight = 0.3  # of the newest step: steps of one CPU vary by 10-20% with the load
+
+    def __init__(self, target_s: float, cap: int, page_size: int, floor: int = 64):
+        self.target_s, self.cap, self.page_size = target_s, cap, page_size
+        self.floor = min(floor, cap)
+        self.seconds_per_token: float | None = None
+
+    def observe(self, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens < self.floor or seconds <= 0:
+            return  # a step of a few prompt tokens times its decodes, not its prefill
+        sample = seconds / prompt_tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = sample if old is None else old + self.weight * (sample - old)
+
+    @property
+    def budget(self) -> int:
+        if self.seconds_per_token is None:
+            return self.cap
+        tokens = int(self.target_s / self.seconds_per_token) // self.page_size * self.page_size
+        return max(self.floor, min(self.cap, tokens))
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None,
                  draft_len: Callable[[Request], int] | None = None):
         self.config = config
+        self.pacer = (PrefillPacer(config.max_decode_stall, config.max_num_batched_tokens, config.page_size)
+                      if config.max_decode_stall > 0 else None)
         self.draft_len = draft_len
         self.pool = pool
         self.prefix_cache = prefix_cache
@@ -156,6 +194,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.pacer is not None and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            budget = min(budget, self.pacer.budget)
+        full = budget
         now = time.monotonic()
         # 1. Running requests, in admission order: decodes outside the budget, prompt chunks in it.
         i = 0
@@ -207,6 +248,7 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, n))
                 budget -= n
+        out.num_prompt_tokens = full - budget
         return out
 
     def finish(self, req: Request, status: RequestStatus) -> None:

@@ -42,6 +42,11 @@ def _convert(key: str, value: str, kind):
             return int(value)
         except ValueError:
             raise ValueError(f"{key}={value!r}: expected an integer") from None
+    if kind == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: expected a number") from None
     return value
 
 
