@@ -13,8 +13,9 @@ step late (mean TTFT 5.6-6.3 s against 4.5-4.8 on a Zen 4, 0.5B).
 While requests decode, every one of them waits for the step's prompt chunk, so a step that
 carries decodes carries at most the prompt tokens the engine prefills in `max_decode_stall`
 seconds (`PrefillPacer`, from the steps it has timed); a step without decodes keeps the whole
-budget. On a CPU that prefills 512 tokens of the 0.5B in 4-7 s (a Zen 1), a 512-token chunk
-stalled every stream that long; on one that prefills them in under a second nothing changes.
+budget. On a CPU that prefills 512 tokens of the 0.5B in 4-7 s (a Zen 1) whole chunks stall
+every stream that long, the cap about a second (docs/benchmarks.md, "Server"); on one that
+prefills them in under a second nothing changes.
 
 When pages run out for a running request, the most recently admitted running
 request is preempted: its pages are freed and it goes back to the front of the
