@@ -3,6 +3,8 @@ checked as a property on whatever CPU runs the tests."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,21 @@ def test_install_imports_only_what_the_cpu_runs(monkeypatch, capsys):
     assert "native CPU kernels (avx512): compiled, not loaded (this CPU lacks avx512_vnni, avx512bw" \
         in capsys.readouterr().out
     assert (Path(native._build_args("avx512")["build_directory"]) / "hetserve_cpu_avx512.so").is_file()
+
+
+def test_a_builder_killed_mid_compile_does_not_block_the_next_start():
+    """torch's build lock is a file its builder deletes when done; a builder killed mid-compile
+    leaves it, and every later start waited on it forever (a server killed during its first start
+    never came up again). The next build must go ahead."""
+    if not native.cpu_has_avx2():
+        pytest.skip(f"no AVX2: {native.describe()}")
+    native.build("avx2")  # built and current (the install built it)
+    stale = Path(native._build_args("avx2")["build_directory"]) / "lock"
+    stale.touch()  # what a killed builder leaves
+    r = subprocess.run([sys.executable, "-c", "from hetserve.layers import native; native.build('avx2'); print('ok')"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "ok", r.stderr
+    assert not stale.exists()
 
 
 def test_build_refuses_a_variant_the_cpu_lacks(monkeypatch):

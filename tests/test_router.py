@@ -154,7 +154,7 @@ def test_worker_state_messages_are_checked():
     msg = ipc.decode(ipc.encode(ipc.Outputs("w", [], st)))
     assert msg.state == st
     for bad in ({"published": [b"short"]}, {"running_prefill": {"b": -1}}, {"queued_ids": [1]},
-                {"evicted": "x"}):
+                {"evicted": "x"}, {"chunk_budget": -1}, {"chunk_budget": 1.5}):
         raw = ipc.encode(ipc.Outputs("w", [], ipc.WorkerState(1, 0, 2, 8, 0)))
         data = msgpack.unpackb(raw)
         data["state"].update(bad)

@@ -322,6 +322,7 @@ def test_disconnecting_clients_free_their_pages(server):
     assert server.metric("hetserve:kv_pages_used") == 0
     assert server.metric("hetserve:num_requests_running") == 0
     assert server.metric("hetserve:kv_pages_total") > 0
+    assert server.metric("hetserve:prefill_chunk_budget") == 512  # the tiny model prefills 512 tokens in far under 1 s
     assert server.metric("hetserve:time_to_first_token_seconds_count") > 0
 
 

@@ -22,6 +22,8 @@ imported (`compile_only`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import platform
@@ -135,10 +137,29 @@ def build(name: str):
 
     if missing := missing_flags(name):
         raise NativeUnavailable(f"the {name} kernels need {missing}, which this CPU lacks")
+    args = _build_args(name)
     try:
-        return cpp_extension.load(**_build_args(name))
+        with _exclusive(args["build_directory"]):
+            return cpp_extension.load(**args)
     except Exception as e:
         raise _unavailable(e) from None
+
+
+@contextlib.contextmanager
+def _exclusive(build_directory: str):
+    """One builder of a variant at a time, across processes, under a lock the kernel drops when
+    its holder dies. torch's own is a `lock` file its builder deletes when done: killed
+    mid-compile (Ctrl-C during a first start, a supervisor's timeout), it leaves the file, and every
+    later start waited on it forever. Under this lock no other builder runs, so a `lock` file found
+    here is such a leftover."""
+    d = Path(build_directory)
+    with open(d / "hetserve-build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (d / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def compile_only(name: str) -> None:
@@ -148,10 +169,12 @@ def compile_only(name: str) -> None:
     import; torch is pinned, and a test runs this call."""
     from torch.utils import cpp_extension
 
+    args = _build_args(name)
     try:
-        cpp_extension._write_ninja_file_and_build_library(
-            **_build_args(name), extra_cuda_cflags=[], extra_sycl_cflags=[], extra_include_paths=[],
-            with_cuda=False, with_sycl=False)
+        with _exclusive(args["build_directory"]):
+            cpp_extension._write_ninja_file_and_build_library(
+                **args, extra_cuda_cflags=[], extra_sycl_cflags=[], extra_include_paths=[],
+                with_cuda=False, with_sycl=False)
     except Exception as e:
         raise _unavailable(e) from None
 

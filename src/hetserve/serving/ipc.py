@@ -112,6 +112,7 @@ class WorkerState:
     running_prefill: dict[str, int] = field(default_factory=dict)  # running id -> prompt tokens left
     published: list[bytes] = field(default_factory=list)  # page hashes cached since the last state
     evicted: list[bytes] = field(default_factory=list)  # page hashes dropped since the last state
+    chunk_budget: int = 0  # prompt tokens a step may carry while requests decode (--max-decode-stall)
 
     def __post_init__(self) -> None:
         # The router trusts these, so they are checked here rather than deep in its code.
@@ -121,6 +122,8 @@ class WorkerState:
         if not isinstance(rp, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
                                                for k, v in rp.items()):
             raise TypeError("running_prefill must map request ids to token counts")
+        if type(self.chunk_budget) is not int or self.chunk_budget < 0:
+            raise TypeError("chunk_budget must be a non-negative integer")
         for name in ("published", "evicted"):
             v = getattr(self, name)
             if not isinstance(v, list) or not all(isinstance(h, bytes) and len(h) == 32 for h in v):

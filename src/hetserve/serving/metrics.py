@@ -28,6 +28,8 @@ class Metrics:
         self._pages_used = Gauge("hetserve:kv_pages_used", "KV pages referenced by requests", label, registry=r)
         self._pages_total = Gauge("hetserve:kv_pages_total", "KV pages in the pool", label, registry=r)
         self._preempt = Gauge("hetserve:num_preemptions", "Preemptions so far", label, registry=r)
+        self._chunk = Gauge("hetserve:prefill_chunk_budget", "Prompt tokens a step may carry while requests decode "
+                            "(what prefills in --max-decode-stall, measured)", label, registry=r)
         self._prefix = Gauge("hetserve:prefix_cache", "Prefix cache counters (lookups, hits, restored, published "
                              "and evicted tokens, cached pages)", label + ["counter"], registry=r)
         self._spec = Gauge("hetserve:spec_decode", "Speculative decoding counters (proposed, accepted, acceptance "
@@ -71,6 +73,7 @@ class Metrics:
         self._pages_used.labels(worker).set(st.pages_used)
         self._pages_total.labels(worker).set(st.pages_total)
         self._preempt.labels(worker).set(st.preemptions)
+        self._chunk.labels(worker).set(st.chunk_budget)
         for k, v in st.prefix_cache.items():
             self._prefix.labels(worker, k).set(v)
         for k, v in st.spec_decode.items():

@@ -54,7 +54,8 @@ def _state(engine) -> ipc.WorkerState:
                            running_prefill={r.request_id: max(r.num_prompt_tokens - r.num_computed_tokens, 0)
                                             for r in s.running},
                            published=published, evicted=evicted,
-                           spec_decode=_flat_spec(engine.spec_stats()))
+                           spec_decode=_flat_spec(engine.spec_stats()),
+                           chunk_budget=s.pacer.budget if s.pacer else engine.config.max_num_batched_tokens)
 
 
 def _flat_spec(stats: dict) -> dict[str, float]:
