@@ -102,6 +102,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
+    @property
+    def decoding_budget(self) -> int:
+        """Prompt tokens a step that carries decodes may hold."""
+        return self.pacer.budget if self.pacer is not None else self.config.max_num_batched_tokens
+
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
@@ -196,7 +201,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         if self.pacer is not None and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            budget = min(budget, self.pacer.budget)
+            budget = self.decoding_budget  # the pacer's budget never exceeds the whole one
         full = budget
         now = time.monotonic()
         # 1. Running requests, in admission order: decodes outside the budget, prompt chunks in it.

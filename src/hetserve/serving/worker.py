@@ -55,7 +55,7 @@ def _state(engine) -> ipc.WorkerState:
                                             for r in s.running},
                            published=published, evicted=evicted,
                            spec_decode=_flat_spec(engine.spec_stats()),
-                           chunk_budget=s.pacer.budget if s.pacer else engine.config.max_num_batched_tokens)
+                           chunk_budget=s.decoding_budget)
 
 
 def _flat_spec(stats: dict) -> dict[str, float]:
