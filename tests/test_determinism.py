@@ -170,6 +170,21 @@ def test_a_builder_killed_mid_compile_does_not_block_the_next_start():
     assert not stale.exists()
 
 
+def test_each_checkout_builds_in_its_own_directory(tmp_path):
+    """torch's build file names the sources by absolute path: two checkouts in one directory
+    rebuilt each other's variant (minutes) each time the other had run. Same checkout, same
+    directory (the install's build is found); another checkout, another one."""
+    here = Path(native.__file__).with_name("csrc")
+    assert native.build_directory("avx2", here) == native.build_directory("avx2", here)
+    assert Path(native._build_args("avx2")["build_directory"]) == native.build_directory("avx2", here)
+    other = tmp_path / "csrc"
+    other.mkdir()
+    assert native.build_directory("avx2", other) != native.build_directory("avx2", here)
+    assert native.build_directory("avx512", here) != native.build_directory("avx2", here)
+    (tmp_path / "link").symlink_to(here)  # the same sources by another path: one build
+    assert native.build_directory("avx2", tmp_path / "link") == native.build_directory("avx2", here)
+
+
 def test_build_refuses_a_variant_the_cpu_lacks(monkeypatch):
     monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(native.NativeUnavailable, match="avx512 kernels need avx512_vnni"):

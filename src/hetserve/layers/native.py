@@ -14,7 +14,7 @@ the variant is picked when the kernels are first used from what this CPU reports
 Both variants give the same bits (the integer sums are exact, the float steps are the same
 operations in the same order), so a result never depends on which one ran.
 `HETSERVE_CPU_KERNELS=avx2` forces the portable variant. Built with
-torch.utils.cpp_extension into the model cache directory; `make install` builds every variant,
+torch.utils.cpp_extension into the model cache directory (`build_directory`); `make install` builds every variant,
 so that no first request waits a minute for a compiler, and an install moved to another CPU
 still has the variant that CPU needs. A variant the CPU cannot run is compiled but never
 imported (`compile_only`).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import os
 import platform
 from pathlib import Path
@@ -111,12 +112,22 @@ def cpu_has_avx2() -> bool:
     return "avx2" in supported_variants()
 
 
-def _build_args(name: str) -> dict:
+def build_directory(name: str, sources: Path) -> Path:
+    """Where the `name` variant of the sources in `sources` is built: one directory per torch
+    version, variant and source checkout. torch's build file names the sources by absolute path,
+    so two checkouts sharing one directory (a clone beside an install) made ninja rebuild the
+    variant, minutes of compiling, each time the other one had been used."""
     from ..models.registry import cache_dir
 
-    out = cache_dir() / "extensions" / f"torch-{torch.__version__}" / name
+    checkout = hashlib.sha256(str(sources.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "extensions" / f"torch-{torch.__version__}" / f"{name}-{checkout}"
+
+
+def _build_args(name: str) -> dict:
+    csrc = Path(__file__).with_name("csrc")
+    out = build_directory(name, csrc)
     out.mkdir(parents=True, exist_ok=True)
-    return dict(name=f"hetserve_cpu_{name}", sources=[str(Path(__file__).with_name("csrc") / s) for s in SOURCES],
+    return dict(name=f"hetserve_cpu_{name}", sources=[str(csrc / s) for s in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *VARIANTS[name][1]], extra_ldflags=["-fopenmp"],
                 build_directory=str(out), verbose=False)
 
