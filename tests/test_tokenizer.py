@@ -164,6 +164,14 @@ def test_unsupported_tokenizers(tiny):
         Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": "deepseek-coder"})
 
 
+def test_a_merge_of_unknown_tokens_is_a_tokenizer_error(tiny):
+    """The tokenizers library raises a bare Exception for it (a fuzzed file's merges); it must
+    reach the user as the one-line error of any bad file, not a traceback."""
+    _, _, md = tiny
+    with pytest.raises(TokenizerError, match="inconsistent.*out of vocabulary"):
+        Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.merges": ["zq xj", *md["tokenizer.ggml.merges"]]})
+
+
 # ---- chat template sandbox --------------------------------------------------------------------
 
 

@@ -84,6 +84,9 @@ class EngineCore:
         self.prefill_only: set[str] = set()
         self.parked: dict[str, Request] = {}
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
+        for m in (model, draft_model):  # every position the pages can hold, so no step grows them
+            if m is not None:
+                m.rope.reserve(min(self.max_model_len, num_pages * config.page_size, m.config.max_position))
         self.runner = ModelRunner(model, num_pages, config.page_size, self.eos_token_ids, config.spec_tv_budget)
         self.speculation = Speculation(model, draft_model, config, self.pool, self.runner, self.max_model_len) \
             if draft_model else None

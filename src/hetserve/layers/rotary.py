@@ -27,14 +27,29 @@ def inv_frequencies(head_dim: int, theta: float, scaling=None, freq_factors: tor
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; `apply` rotates q and k in place-free fashion for given positions."""
+    """Precomputed cos/sin tables; `apply` rotates q and k in place-free fashion for given positions.
+
+    The tables cover the positions a forward has asked for (`reserve`), not the whole context the
+    file declares: that is a metadata field, and a table sized by it alone (2**24 positions of 128
+    dims is 8.6 GB) would let a file allocate what it likes before a token is read. A position's
+    values do not depend on the table's size."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling=None, freq_factors=None):
-        inv = inv_frequencies(head_dim, theta, scaling, freq_factors)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-        self.cos = freqs.cos()  # [max_pos, head_dim/2]
-        self.sin = freqs.sin()
+        self.inv = inv_frequencies(head_dim, theta, scaling, freq_factors)
         self.max_position = max_position
+        self.cos = self.sin = torch.empty(0, head_dim // 2)
+        self.reserve(min(max_position, 4096))
+
+    def reserve(self, positions: int) -> None:
+        """Tables for positions 0 .. positions - 1 (at most max_position), grown by doubling."""
+        if positions <= self.cos.shape[0]:
+            return
+        if positions > self.max_position:
+            raise ValueError(f"position {positions - 1} is past the model's context ({self.max_position})")
+        n = min(self.max_position, max(positions, 2 * self.cos.shape[0]))
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv)
+        self.cos = freqs.cos().to(self.cos.device)  # [n, head_dim/2]
+        self.sin = freqs.sin().to(self.sin.device)
 
     def to(self, device) -> "RotaryEmbedding":
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 SUPPORTED_ARCHS = ("qwen2", "llama")
+MAX_POSITIONS = 1 << 24  # RoPE tables take positions as float32, exact up to 2**24
 
 
 class ModelConfigError(ValueError):
@@ -40,48 +41,93 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     @classmethod
-    def from_gguf(cls, path: str, md: Mapping[str, Any], tensor_names) -> "ModelConfig":
+    def from_gguf(cls, path: str, md: Mapping[str, Any], tensors: Mapping[str, Any]) -> "ModelConfig":
+        """The hyper-parameters, checked against the tensors' shapes (`tensors`: name -> info with
+        a torch-order `shape`) before anything is sized by them: the shapes are bounded by the
+        file's size (gguf_loader), the metadata alone by nothing."""
         arch = md.get("general.architecture")
         if arch not in SUPPORTED_ARCHS:
             raise ModelConfigError(f"{path}: unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
-        def get(key: str, default: Any = None, required: bool = True) -> Any:
+        def get(key: str, default: Any = None, required: bool = True, kind: type = int) -> Any:
             v = md.get(f"{arch}.{key}", default)
             if v is None and required:
                 raise ModelConfigError(f"{path}: missing metadata key {arch}.{key}")
+            ok = (int,) if kind is int else (int, float)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, ok)):
+                raise ModelConfigError(f"{path}: {arch}.{key} must be {'an integer' if kind is int else 'a number'}, "
+                                       f"got {str(v)[:40]!r}")
             return v
 
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        kv_heads = int(get("attention.head_count_kv", heads))
-        head_dim = int(get("rope.dimension_count", hidden // max(heads, 1)))
+        hidden = get("embedding_length")
+        heads = get("attention.head_count")
+        kv_heads = get("attention.head_count_kv", heads)
+        head_dim = get("rope.dimension_count", hidden // max(heads, 1))
         tokens = md.get("tokenizer.ggml.tokens")
-        vocab = int(get("vocab_size", len(tokens) if tokens else None))
-        names = set(tensor_names)
-        if heads <= 0 or kv_heads <= 0 or heads % kv_heads or head_dim % 2 or hidden <= 0:
-            raise ModelConfigError(f"{path}: inconsistent attention shape (heads={heads}, kv_heads={kv_heads}, head_dim={head_dim})")
+        vocab = get("vocab_size", len(tokens) if tokens else None)
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads or head_dim <= 0 or head_dim % 2 or hidden <= 0:
+            raise ModelConfigError(f"{path}: inconsistent attention shape (heads={heads}, kv_heads={kv_heads}, "
+                                   f"head_dim={head_dim})")
+        max_position = get("context_length")
+        if not 1 <= max_position <= MAX_POSITIONS:
+            raise ModelConfigError(f"{path}: {arch}.context_length {max_position} is outside 1 .. {MAX_POSITIONS} "
+                                   "(RoPE positions are exact float32 up to 2**24)")
         scaling = None
         kind = md.get(f"{arch}.rope.scaling.type")
-        if kind in ("linear", "llama3") and float(get("rope.scaling.factor", 1.0)) != 1.0:
+        if kind in ("linear", "llama3") and float(get("rope.scaling.factor", 1.0, kind=float)) != 1.0:
             scaling = RopeScaling(
                 kind=kind,
-                factor=float(get("rope.scaling.factor")),
-                original_context=int(get("rope.scaling.original_context_length", 8192, required=False)),
+                factor=float(get("rope.scaling.factor", kind=float)),
+                original_context=get("rope.scaling.original_context_length", 8192, required=False),
             )
-        return cls(
+        cfg = cls(
             arch=arch,
             name=str(md.get("general.name", arch)),
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
-            max_position=int(get("context_length")),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
+            rope_theta=float(get("rope.freq_base", 10000.0, required=False, kind=float)),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6, required=False, kind=float)),
+            max_position=max_position,
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
             rope_scaling=scaling,
         )
+        cfg._check_shapes(path, tensors)
+        return cfg
+
+    def _check_shapes(self, path: str, tensors: Mapping[str, Any]) -> None:
+        """Every tensor the model reads exists with the shape the hyper-parameters imply."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if not 1 <= self.num_layers <= len(tensors) // 9:  # nine tensors a layer at least
+            raise ModelConfigError(f"{path}: {self.arch}.block_count {self.num_layers} does not fit the file's "
+                                   f"{len(tensors)} tensors")
+        want: dict[str, tuple[int | None, ...]] = {"token_embd.weight": (None, h), "output_norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            want["output.weight"] = (None, h)
+        for n in range(self.num_layers):
+            p = f"blk.{n}."
+            want.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,), p + "attn_q.weight": (q, h),
+                         p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
+                         p + "ffn_gate.weight": (i, h), p + "ffn_up.weight": (i, h), p + "ffn_down.weight": (h, i)})
+            if self.attention_bias:
+                want.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        for name, shape in want.items():
+            if name not in tensors:
+                raise ModelConfigError(f"{path}: missing tensor {name!r}")
+            got = tuple(tensors[name].shape)
+            if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+                implied = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+                raise ModelConfigError(
+                    f"{path}: tensor {name!r} is {list(got)}, but the metadata implies {implied} (embedding_length "
+                    f"{h}, feed_forward_length {i}, head_count {self.num_heads}, head_count_kv {self.num_kv_heads}, "
+                    f"head dim {self.head_dim})")
+        rows = min(tensors[n].shape[0] for n in ("token_embd.weight", "output.weight") if n in want)
+        if not 1 <= self.vocab_size <= rows:
+            raise ModelConfigError(f"{path}: vocabulary of {self.vocab_size} tokens, but the embedding and output "
+                                   f"have {rows} rows")

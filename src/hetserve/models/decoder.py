@@ -166,7 +166,7 @@ class DecoderModel:
         fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual."""
         t0 = time.perf_counter()
         f = gguf_file or GGUFFile(path)
-        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors.keys())
+        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors)
         device = torch.device(device)
         policy = MatmulPolicy()
 
@@ -319,6 +319,7 @@ class DecoderModel:
         t = input_ids.shape[0]
         with trace.span("model", tokens=t):
             h = F.embedding(input_ids, self.embed)
+            self.rope.reserve(max((s.ctx_len for s in meta.seqs), default=0))  # every position < its ctx_len
             cos, sin = self.rope.cos_sin(positions, h.dtype)  # contiguous [T, 1, head_dim/2]
             plan = self._native_layers_for(t, meta)
             if plan is not None:

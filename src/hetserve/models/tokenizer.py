@@ -114,7 +114,10 @@ class Tokenizer:
             if len(parts) != 2:
                 raise TokenizerError(f"malformed merge {m!r}")
             pairs.append((parts[0], parts[1]))
-        bpe = models.BPE(vocab, pairs, byte_fallback=False, ignore_merges=ignore_merges, fuse_unk=False)
+        try:
+            bpe = models.BPE(vocab, pairs, byte_fallback=False, ignore_merges=ignore_merges, fuse_unk=False)
+        except Exception as e:  # the Rust library raises a bare Exception (a merge of unknown tokens)
+            raise TokenizerError(f"the GGUF's tokenizer is inconsistent: {e}") from None
 
         # Two tokenizers over one model: `_special` splits special tokens out of the text, `_plain`
         # reads their spelling as ordinary text. Non-special (user-defined) added tokens are
