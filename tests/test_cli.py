@@ -80,6 +80,24 @@ def test_malformed_gguf_gives_loader_error(tmp_path):
     assert r.returncode != 0 and str(bad) in r.stderr and "Traceback" not in r.stderr
 
 
+def test_serve_with_a_model_it_cannot_load_says_why_in_one_line(tiny_qwen2, tiny_llama, tmp_path):
+    """Checked in the API process before a worker starts (a file whose metadata contradicts its
+    tensors), or said by the worker that could not load it (a draft with another tokenizer):
+    either way one line a cause, no traceback, no process left behind."""
+    data = open(tiny_llama, "rb").read()
+    key = b"llama.rope.dimension_count"
+    at = data.index(len(key).to_bytes(8, "little") + key) + 8 + len(key) + 4  # past the u32 type
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:at] + (8388624).to_bytes(4, "little") + data[at + 4:])
+    r = hetserve("serve", "--model", str(bad), "--port", "0")
+    assert r.returncode == 2 and "metadata implies [33554496, 64]" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    r = hetserve("serve", "--model", tiny_qwen2, "--speculative-model", tiny_llama, "--port", "0", timeout=300)
+    assert r.returncode == 3, r.stderr
+    assert "must share a tokenizer" in r.stderr and "stopped while loading (exit code 2)" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_speculative_flags(tiny_qwen2, tiny_llama):
     base = ["generate", "--model", tiny_qwen2, "--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature", "0",
             "--ignore-eos", "--json", "--deterministic"]

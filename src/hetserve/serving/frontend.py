@@ -26,6 +26,7 @@ import zmq.asyncio
 from ..core.engine import resolve_max_tokens
 from ..core.output_processor import RequestState
 from ..models import registry
+from ..models.config import ModelConfig
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
@@ -115,8 +116,13 @@ class Frontend:
         ray_restarts: times Ray restarts a dead worker actor, which then rejoins."""
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
+        # A file the workers cannot load is one line here, not a worker's traceback at start-up.
         with GGUFFile(self.model_path) as f:
             self.tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+            ModelConfig.from_gguf(self.model_path, f.metadata, f.tensors)
+        if draft := engine_kwargs.get("speculative_model"):
+            with GGUFFile(registry.resolve(draft)) as f:
+                ModelConfig.from_gguf(f.path, f.metadata, f.tensors)
         self.engine_kwargs = engine_kwargs
         self.dtype = dtype
         self.devices = devices or ["cpu"]

@@ -85,7 +85,12 @@ def run(args) -> int:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        await frontend.start()
+        try:
+            await frontend.start()
+        except RuntimeError as e:  # a worker stopped while loading (it has printed why) or timed out
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            await frontend.shutdown(timeout=5.0)
+            exit_now(3)  # one line, not uvicorn's traceback of a failed startup
         print(f"hetserve: serving {frontend.model_name} on http://{args.host}:{args.port} "
               f"({', '.join(devices)}; route policy {frontend.route_policy})", file=sys.stderr, flush=True)
         if len(frontend.workers) > 1:

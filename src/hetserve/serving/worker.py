@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = serve(spec)
     except KeyboardInterrupt:
         code = 0
+    except ValueError as e:  # a model or option it cannot load (the API process names the exit)
+        print(f"error: worker {spec.get('name', '')}: {e}", file=sys.stderr, flush=True)
+        code = 2
     exit_now(code)  # the API process waits for this exit within its --shutdown-timeout
 
 
