@@ -42,14 +42,16 @@ class RayWorker:
         self._done = threading.Event()
 
         def run():
+            code = 1
             try:
-                serve(spec)  # returns on Shutdown; the frontend then kills the actor for good
+                code = serve(spec)  # 0 on Shutdown; the frontend then kills the actor for good
             except BaseException:
                 log.exception("worker %s failed", spec["name"])
-                os._exit(1)  # a failed load or loop: the actor dies with it (Ray may restart it)
             finally:
                 self._done.set()
                 shutil.rmtree(self._dir, ignore_errors=True)
+            if code:  # a failed load or loop (a model it cannot load has said why in one line):
+                os._exit(code)  # the actor dies with it (Ray may restart it)
 
         threading.Thread(target=run, daemon=True, name="hetserve-worker").start()
 

@@ -102,8 +102,12 @@ def serve(spec: dict) -> int:
     outbox.setsockopt(zmq.LINGER, 2000)
     threading.Thread(target=_heartbeat, args=(ctx, spec["from_worker"], name), daemon=True).start()
 
-    loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
-                         **spec["engine"])
+    try:
+        loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
+                             **spec["engine"])
+    except ValueError as e:  # a model or option it cannot load: one line (the API process names the exit)
+        print(f"error: worker {name}: {e}", file=sys.stderr, flush=True)
+        return 2
     engine = loaded.engine
     profile = None
     if spec.get("measure_profile"):
@@ -208,9 +212,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = serve(spec)
     except KeyboardInterrupt:
         code = 0
-    except ValueError as e:  # a model or option it cannot load (the API process names the exit)
-        print(f"error: worker {spec.get('name', '')}: {e}", file=sys.stderr, flush=True)
-        code = 2
     exit_now(code)  # the API process waits for this exit within its --shutdown-timeout
 
 
