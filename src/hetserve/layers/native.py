@@ -14,9 +14,9 @@ the variant is picked when the kernels are first used from what this CPU reports
 Both variants give the same bits (the integer sums are exact, the float steps are the same
 operations in the same order), so a result never depends on which one ran.
 `HETSERVE_CPU_KERNELS=avx2` forces the portable variant. Built with
-torch.utils.cpp_extension into the model cache directory (`build_directory`); `make install` builds every variant,
-so that no first request waits a minute for a compiler, and an install moved to another CPU
-still has the variant that CPU needs. A variant the CPU cannot run is compiled but never
+torch.utils.cpp_extension into the model cache directory (`build_directory`); `make install`
+builds every variant, so that no first request waits a minute for a compiler, and an install
+moved to another CPU still has the variant that CPU needs. A variant the CPU cannot run is compiled but never
 imported (`compile_only`).
 """
 
