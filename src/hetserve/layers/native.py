@@ -16,8 +16,8 @@ operations in the same order), so a result never depends on which one ran.
 `HETSERVE_CPU_KERNELS=avx2` forces the portable variant. Built with
 torch.utils.cpp_extension into the model cache directory (`build_directory`); `make install`
 builds every variant, so that no first request waits a minute for a compiler, and an install
-moved to another CPU still has the variant that CPU needs. A variant the CPU cannot run is compiled but never
-imported (`compile_only`).
+moved to another CPU still has the variant that CPU needs. A variant the CPU cannot run is
+compiled but never imported (`compile_only`).
 """
 
 from __future__ import annotations

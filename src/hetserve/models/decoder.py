@@ -37,7 +37,7 @@ from ..layers.weight_formats import (
     stack,
 )
 from . import native_layers
-from .config import ModelConfig, ModelConfigError
+from .config import ModelConfig
 from .gguf_loader import GGUFFile
 from .gguf_quants import (
     FIVE_BIT_BLOCK_TYPES,
@@ -171,9 +171,8 @@ class DecoderModel:
         policy = MatmulPolicy()
 
         def t(name: str, heads: int = 0, load: bool = True) -> torch.Tensor:
-            """The tensor (un-permuted where `heads`), or a meta tensor of its shape (not `load`)."""
-            if name not in f.tensors:
-                raise ModelConfigError(f"{path}: missing tensor {name!r}")
+            """The tensor (un-permuted where `heads`), or a meta tensor of its shape (not `load`);
+            ModelConfig.from_gguf has checked that each one read here exists with its shape."""
             if not load:
                 return torch.empty(f.tensors[name].shape, dtype=dtype, device="meta")
             return _load_rows(f, name, heads, dtype, device)
