@@ -117,7 +117,7 @@ def test_prompt_logprobs_match_in_process_and_chunked(server, tiny_qwen2):
         assert math.isclose(x[tok], entry[str(tok)]["logprob"], abs_tol=1e-4)
 
 
-def test_raw_prompts_parse_special_tokens(server):
+def test_raw_prompts_parse_special_tokens(server, tiny_qwen2):
     chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     special = ids_of(server, chatml)
     plain = ids_of(server, chatml, parse_special=False)
@@ -127,6 +127,8 @@ def test_raw_prompts_parse_special_tokens(server):
     assert complete(server, prompt=chatml, max_tokens=1, parse_special=False)["usage"]["prompt_tokens"] == len(plain)
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "<|im_start|>"}]})
     assert chat.json()["tokens"].count(im_start[0]) == 2  # the template's own two: message content stays text
+    llm = LLM(tiny_qwen2, **FP32)  # the Python API reads a raw prompt by the same rule
+    assert llm.encode(chatml) == special and llm.encode(chatml, parse_special=False) == plain
 
 
 def test_sse_events_stay_one_line():

@@ -16,11 +16,16 @@ LOGIT_ATOL = 1e-3
 
 
 def test_prompt_tokens_match_hf(real_llm, reference):
+    """Every case's text as a raw prompt (the last is a rendered ChatML conversation: its
+    special-token spellings are special tokens, as HF reads them) and each chat through the
+    template give HF's ids; so do the ids `generate` runs on."""
     for case in reference["cases"]:
-        if case["chat"] is None:
-            assert real_llm.encode(case["text"]) == case["prompt_token_ids"]
-        else:
+        assert real_llm.encode(case["text"]) == case["prompt_token_ids"], case["text"][:40]
+        if case["chat"] is not None:
             assert real_llm.tokenizer.encode_chat(case["chat"]) == case["prompt_token_ids"]
+    assert any("<|im_start|>" in c["text"] for c in reference["cases"])
+    outs = real_llm.generate([c["text"] for c in reference["cases"]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [c["prompt_token_ids"] for c in reference["cases"]]
 
 
 def test_greedy_32_tokens_equal_transformers(real_llm, reference):

@@ -88,6 +88,24 @@ def test_special_spelling_is_plain_text_by_default(tiny):
     assert ours.encode("<|im_start|>x", add_bos=False, allow_special=True)[0] == ours.token_to_id("<|im_start|>")
 
 
+def test_raw_prompts_in_the_python_api_match_hf(tiny, tmp_path_factory):
+    """`LLM.encode` / `LLM.generate` read a raw prompt as HF's tokenizer does (special-token
+    spellings are special tokens), the server's rule; parse_special=False keeps them text."""
+    from hetserve import LLM, SamplingParams
+
+    ours, hf, md = tiny
+    path = write_tiny_gguf(tmp_path_factory.mktemp("llm") / "model.gguf", arch=md["general.architecture"])
+    llm = LLM(model=str(path), kv_cache_memory="4MiB")
+    chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    prompts = [*TEXTS[:4], chatml, "a<|endoftext|>b", INJECTION]
+    for text in prompts:
+        assert llm.encode(text) == hf(text, add_special_tokens=True)["input_ids"], text
+    assert llm.encode(chatml, parse_special=False) == ours.encode(chatml)
+    assert ours.token_to_id("<|im_start|>") not in llm.encode(chatml, parse_special=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [hf(t, add_special_tokens=True)["input_ids"] for t in prompts]
+
+
 def test_properties(tiny):
     ours, hf, md = tiny
     assert ours.vocab_size == len(md["tokenizer.ggml.tokens"])

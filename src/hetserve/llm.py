@@ -13,6 +13,7 @@ from .core.loading import load_engine
 from .core.output_processor import RequestOutput, RequestState
 from .core.request import Request, RequestStatus
 from .models import registry
+from .models.tokenizer import PROMPT_PARSES_SPECIAL
 from .sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -84,10 +85,11 @@ class LLM:
         return token_logprobs(self.model, self.encode(prompt), chunk)
 
     # -- prompts ----------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text is tokenized as plain text (special-token spellings stay text); lists are token ids."""
+    def encode(self, prompt: Prompt, parse_special: bool = PROMPT_PARSES_SPECIAL) -> list[int]:
+        """Text is a raw prompt, tokenized as the server's completions do (special-token spellings
+        are special tokens unless parse_special=False); lists are token ids."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt, parse_special)
         return [int(t) for t in prompt]
 
     def _add(self, prompt_ids: list[int], params: SamplingParams) -> RequestState:

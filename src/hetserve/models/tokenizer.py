@@ -1,9 +1,11 @@
 """The tokenizer a GGUF carries in its metadata, rebuilt on the `tokenizers` library.
 
 Supported: byte-level BPE (`tokenizer.ggml.model = 'gpt2'`) with the Qwen2 (`qwen2`) or Llama 3
-(`llama-bpe`) pre-tokenizer. Plain text never turns into special tokens: `encode` treats a string
-like "<|im_start|>" as text unless asked otherwise, and `encode_chat` only lets the chat template
-itself produce special tokens, never the caller's messages (prompt-injection guard).
+(`llama-bpe`) pre-tokenizer. A raw prompt (`encode_prompt`: a completion's `prompt`,
+`LLM.generate`'s text) reads special-token spellings such as "<|im_start|>" as special tokens, as
+HF, vLLM and llama.cpp do. Chat content never does: `encode_chat` only lets the chat template
+itself produce special tokens, never the caller's messages (prompt-injection guard); `encode`
+alone reads them as text unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from hetserve.models.chat_template import (
     render_marking_data,
 )
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PROMPT_PARSES_SPECIAL", "Tokenizer", "TokenizerError"]
+
+# The one rule for raw prompts, in the server (`parse_special`'s default) and the Python API.
+PROMPT_PARSES_SPECIAL = True
 
 
 class TokenizerError(ValueError):
@@ -214,6 +219,10 @@ class Tokenizer:
         if (self._add_bos if add_bos is None else add_bos) and self._bos is not None:
             ids = [self._bos, *ids]
         return ids
+
+    def encode_prompt(self, text: str, parse_special: bool = PROMPT_PARSES_SPECIAL) -> list[int]:
+        """Token ids of a raw prompt: special-token spellings are special tokens unless told not."""
+        return self.encode(text, allow_special=parse_special)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._special.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -191,7 +191,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
 
     async def _encode(request: Request, text: str, parse_special: bool, for_context: bool = True) -> list[int]:
         try:
-            ids, = await unless_gone(request, fe.encode(text, parse_special, for_context))
+            ids, = await unless_gone(request, fe.encode_prompt(text, parse_special, for_context))
             return ids
         except (TokenizeFailed, ValueError) as e:
             raise APIError(400, str(e), "prompt") from None

@@ -230,11 +230,12 @@ class Frontend:
     async def run_blocking(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str, allow_special: bool = False, for_context: bool = True) -> list[int]:
+    async def encode_prompt(self, text: str, parse_special: bool, for_context: bool = True) -> list[int]:
         """TokenizeFailed (a 400) for bad input, an overrun budget or, for_context, a prompt over the
         context (/tokenize counts any text: for_context=False)."""
         return self._within_context(await self.tokenizers.call(
-            "encode", text=text, allow_special=allow_special, limit=self.max_model_len if for_context else None))
+            "encode_prompt", text=text, parse_special=parse_special,
+            limit=self.max_model_len if for_context else None))
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, for_context: bool = True) -> list[int]:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..models.tokenizer import PROMPT_PARSES_SPECIAL
 from ..sampling_params import SamplingParams
 from ..structured import StructuredOutputError, StructuredOutputs
 
@@ -194,7 +195,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     # Special-token spellings in a raw prompt ("<|im_start|>") are special tokens, as in HF,
     # vLLM and llama.cpp; false reads them as plain text.
-    parse_special: bool = True
+    parse_special: bool = PROMPT_PARSES_SPECIAL
 
 
 class ChatMessage(_Body):
@@ -222,7 +223,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
-    parse_special: bool = True
+    parse_special: bool = PROMPT_PARSES_SPECIAL
 
 
 class DetokenizeRequest(_Body):

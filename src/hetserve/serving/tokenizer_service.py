@@ -52,8 +52,8 @@ def _capped(ids: list[int], limit: int | None):
 
 def _ops(tok):
     return {
-        "encode": lambda text, allow_special=False, limit=None: _capped(tok.encode(text, allow_special=allow_special),
-                                                                        limit),
+        "encode_prompt": lambda text, parse_special, limit=None: _capped(tok.encode_prompt(text, parse_special),
+                                                                         limit),
         "encode_chat": lambda messages, add_generation_prompt=True, tools=None, limit=None: _capped(
             tok.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools), limit),
         "decode": lambda ids, skip_special_tokens=True: tok.decode(ids, skip_special_tokens),
@@ -103,7 +103,7 @@ class _Process:
 
 
 class TokenizerPool:
-    """`await pool.call("encode", text=...)`: jobs in arrival order over `processes` processes.
+    """`await pool.call("encode_prompt", text=...)`: jobs in arrival order over `processes` processes.
     `timeout` is each job's budget once a process has taken it."""
 
     def __init__(self, model_path: str, socket_dir: str, processes: int = 2, timeout: float = 10.0,
