@@ -330,6 +330,10 @@ def test_api_key(tiny_qwen2):
     s = Server(tiny_qwen2, "--api-key", "sekret", "--kv-cache-memory", "8MiB")
     try:
         assert httpx.get(s.url + "/health").status_code == 200  # health stays open
+        for path in ("/", "/static/favicon.svg", "/favicon.ico"):  # the page and its icon hold no data
+            page = httpx.get(s.url + path)
+            assert page.status_code == 200 and page.content, path
+        assert page.headers["content-type"] == "image/svg+xml" and page.content.startswith(b"<svg")
         r = httpx.get(s.url + "/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401

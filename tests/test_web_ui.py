@@ -63,6 +63,26 @@ def send(page, text: str) -> None:
     box.press("Enter")
 
 
+def test_the_page_loads_with_no_failed_request_and_no_console_error(server, browser):
+    ctx = browser.new_context()
+    pg = ctx.new_page()
+    failed, console = [], []
+    pg.on("requestfailed", lambda r: failed.append(f"{r.url}: {r.failure}"))
+    pg.on("response", lambda r: r.status >= 400 and failed.append(f"{r.status} {r.url}"))
+    pg.on("console", lambda m: m.type in ("error", "warning") and console.append(m.text))
+    try:
+        pg.goto(server.url + "/", wait_until="networkidle")
+        expect(pg.get_by_test_id("model-name")).to_have_text("tiny-qwen2.gguf")
+        pg.get_by_test_id("tab-dashboard").click()
+        expect(pg.get_by_test_id("worker-card")).to_have_count(2)
+        icon = pg.evaluate("""async () => { const r = await fetch(document.querySelector('link[rel="icon"]').href);
+                                          return [r.status, r.headers.get('content-type')]; }""")
+        assert icon == [200, "image/svg+xml"]
+    finally:
+        ctx.close()
+    assert not failed and not console, (failed, console)
+
+
 def test_chat_streams_an_answer_with_its_stats(server, page):
     page.goto(server.url + "/")
     expect(page.get_by_test_id("model-name")).to_have_text("tiny-qwen2.gguf")

@@ -113,6 +113,10 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     async def web_page():
         return FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():  # what a client asks for without reading the page's <link rel="icon">
+        return FileResponse(WEB_DIR / "favicon.svg", media_type="image/svg+xml")
+
     app.mount("/static", StaticFiles(directory=WEB_DIR, check_dir=False), name="static")
 
     @app.get("/v1/dashboard")

@@ -103,9 +103,9 @@ class RequestGuard:
 
 
 def _public(path: str) -> bool:
-    """Routes without the API key: /health, and the web page's static files (they hold no data; the page asks
-    for the key and sends it on its API calls)."""
-    return path in ("/health", "/") or path.startswith("/static/")
+    """Routes without the API key: /health, and the web page's static files and icon (they hold no data; the
+    page asks for the key and sends it on its API calls)."""
+    return path in ("/health", "/", "/favicon.ico") or path.startswith("/static/")
 
 
 class LimitsAndAuth:
