@@ -23,7 +23,7 @@ def split(tiny_qwen2, tmp_path_factory):
     log = tmp_path_factory.mktemp("route") / "route.jsonl"
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--no-startup-profile",
                "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1,kv_cache_memory=64KiB",
-               "--disaggregate", "prefill=cpu0,decode=cpu1", "--route-log", str(log))
+               "--disaggregate", "prefill=cpu0,decode=cpu1", "--route-log", str(log), "--worker-restarts", "0")
     s.log = log
     yield s
     s.stop()

@@ -70,7 +70,7 @@ def pair(tiny_qwen2, profile_file, tmp_path_factory):
     second.write_text(json.dumps({**prof, "device": "cpu:threads=1,max_num_seqs=8"}))
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--inference-device", "cpu:threads=1",
                "--inference-device", "cpu:threads=1,max_num_seqs=8", "--profile", profile_file,
-               "--profile", str(second), "--route-log", str(log))
+               "--profile", str(second), "--route-log", str(log), "--worker-restarts", "0")
     s.log = log
     yield s
     assert s.stop() == 0

@@ -67,15 +67,19 @@ class Server:
         return worker_pids(self.proc)
 
     def metric(self, name: str, headers=None) -> float:
-        text = httpx.get(self.url + "/metrics", headers=headers or {}).text
-        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
+        """A metric summed over its labels (`hetserve:worker_up`), or one series
+        (`hetserve:worker_up{worker="cpu1"}`, labels as the server writes them)."""
+        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=60).text
+        labels = "" if "{" in name else r"\{[^}]*\}"
+        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M)]
+        assert vals or "{" not in name, f"no series {name} in /metrics"
         return sum(vals)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(120)  # only an upper bound: a drain keeps --shutdown-timeout (30 s by default)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -391,20 +395,21 @@ def worker_pid(server: Server, name: str) -> int:
 
 
 async def kill_when_running(client: httpx.AsyncClient, server: Server, worker: str) -> None:
-    """SIGKILL `worker` mid-request: once /metrics shows it running a request (at most ~5 s)."""
+    """SIGKILL `worker` mid-request: once /metrics shows it running a request (polled, however long
+    a slow host takes to get there; 60 s only catches a request that never shows)."""
     running = f'hetserve:num_requests_running{{worker="{worker}"}} 1.0'
-    for _ in range(1000):
+    deadline = time.monotonic() + 60
+    while running not in (await client.get(server.url + "/metrics")).text:
+        assert time.monotonic() < deadline, f"{worker} never showed a running request"
         await asyncio.sleep(0.005)
-        if running in (await client.get(server.url + "/metrics")).text:
-            break
     os.kill(worker_pid(server, worker), signal.SIGKILL)
 
 
 def test_worker_death_fails_requests_and_health(tiny_qwen2):
-    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB")
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--worker-restarts", "0")
     try:
         async def main():
-            async with httpx.AsyncClient(timeout=60) as c:
+            async with httpx.AsyncClient(timeout=120) as c:
                 body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
                 task = asyncio.ensure_future(c.post(s.url + "/v1/completions", json=body))
                 await kill_when_running(c, s, "cpu")  # a lone worker is named by its kind

@@ -39,7 +39,7 @@ def browser():
 @pytest.fixture(scope="module")
 def server(tiny_qwen2):
     s = Server(tiny_qwen2, "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1",
-               "--kv-cache-memory", "8MiB", "--no-startup-profile")
+               "--kv-cache-memory", "8MiB", "--no-startup-profile", "--worker-restarts", "0")
     yield s
     s.stop()
 

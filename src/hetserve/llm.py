@@ -28,12 +28,13 @@ class LLM:
     (`["cpu:threads=1", "cuda"]`, with optional ",key=value" overrides); with several, `engine`
     is None, `route_policy` / `route_log` / `profiles` (profile JSON objects) work as on
     `serve`, and `close()` stops the workers. `ray:` devices run in Ray actors on the cluster at
-    `ray_address` (None: a local one), restarted up to `ray_restarts` times."""
+    `ray_address` (None: a local one), restarted up to `ray_restarts` times; a local worker
+    process that dies is started again up to `worker_restarts` times."""
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, device: str = "cpu", dtype: str = "float32",
                  devices: list[str] | None = None, route_policy: str | None = None, route_log: str | None = None,
                  profiles: list[dict] | None = None, ray_address: str | None = None, ray_restarts: int = 0,
-                 **engine_kwargs: Any):
+                 worker_restarts: int = 3, **engine_kwargs: Any):
         self._ids = itertools.count()
         self._routed = None
         if devices and (len(devices) > 1 or any(d.startswith("ray:") for d in devices)):
@@ -41,7 +42,8 @@ class LLM:
 
             self._routed = RoutedEngine(model, list(devices), dtype, engine_kwargs, route_policy=route_policy,
                                         route_log=route_log, profiles=profiles, max_queued_requests=1 << 30,
-                                        ray_address=ray_address, ray_restarts=ray_restarts)
+                                        ray_address=ray_address, ray_restarts=ray_restarts,
+                                        worker_restarts=worker_restarts)
             fe = self._routed.frontend
             self.path, self.tokenizer = fe.model_path, fe.tokenizer
             self.model = self.config = self.engine = None

@@ -108,12 +108,13 @@ class Frontend:
                  profiles: list[dict] | None = None, measure_profiles: bool = True,
                  disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9,
                  tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0,
-                 ray_address: str | None = None, ray_restarts: int = 0):
+                 ray_address: str | None = None, ray_restarts: int = 0, worker_restarts: int = 3):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
         else counts as fast as the others (the cost policy then balances work only).
         ray_address: the Ray cluster of `ray:` devices (None: a local one is started);
-        ray_restarts: times Ray restarts a dead worker actor, which then rejoins."""
+        ray_restarts: times Ray restarts a dead worker actor, which then rejoins;
+        worker_restarts: times a dead local worker is started again (after a back-off), likewise."""
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         # A file the workers cannot load is one line here, not a worker's traceback at start-up.
@@ -163,7 +164,7 @@ class Frontend:
         needs_profile = {ws.spec for ws in self.specs if ws.spec not in self.profiles} \
             if measure_profiles and len(self.specs) > 1 else set()
         self.pool = WorkerPool(self.specs, self.model_path, model, self._dir, needs_profile, ray_address,
-                               ray_restarts, worker_timeout)
+                               ray_restarts, worker_timeout, worker_restarts, startup_timeout)
         self.workers, self._named = self.pool.workers, self.pool.named
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -401,9 +402,9 @@ class Frontend:
                 if w is None or w.dead:
                     raise ipc.IPCError(f"{type(msg).__name__} from {'unknown' if w is None else 'dead'} "
                                        f"worker {msg.worker!r}")
-                if isinstance(msg, ipc.Ready) and w.ready is not None:
+                if isinstance(msg, ipc.Ready) and w.alive:
                     raise ipc.IPCError(f"a second Ready from worker {w.name}")
-                if not isinstance(msg, ipc.Ready) and w.ready is None:
+                if not isinstance(msg, ipc.Ready) and not w.alive:
                     if isinstance(msg, ipc.Heartbeat):  # beats start before the model is loaded
                         w.last_seen = time.monotonic()
                         continue
@@ -521,19 +522,26 @@ class Frontend:
 
     async def _monitor(self) -> None:
         """A worker that exits or goes silent: its requests end promptly with an error, it leaves
-        the routing, /health and /metrics say so."""
+        the routing, /health and /metrics say so; a local one is started again after a back-off
+        and rejoins on its Ready (_handle)."""
         while True:
             for w, reason in self.pool.lost():
                 self._worker_died(w, reason)
+            for w in self.pool.start_due():
+                self.metrics.worker_restarted(w.name)
+                log.warning("worker %s: started again (restart %d of %d)", w.name, w.restarts,
+                            self.pool.worker_restarts)
             await asyncio.sleep(0.1)
 
     def _worker_died(self, w: WorkerHandle, reason: str) -> None:
-        w.alive, w.dead = False, reason
+        w.alive, w.dead, w.reason = False, reason, reason
         self.router.view(w.name).alive = False
         self.metrics.worker_down(w.name)
         log.error("%s", reason)
         for rid in list(w.requests):
             self._fail(rid, reason)
+        if self.pool.schedule_restart(w):
+            log.warning("worker %s will be started again in %.0f s", w.name, w.restart_at - time.monotonic())
 
     def health(self) -> dict:
         """/health's body: the server's state and each worker's."""

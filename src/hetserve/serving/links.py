@@ -55,6 +55,11 @@ class LocalLink:
     def restarted(self) -> bool:
         return False
 
+    def close(self) -> None:
+        """Its process is gone: unbind its socket (the pool starts a new one behind another)."""
+        self.kill()
+        self.socket.close(linger=0)
+
 
 class RayLink:
     """A worker in a Ray actor. Ray restarts a dead actor up to `max_restarts` times; a restarted

@@ -23,6 +23,8 @@ class Metrics:
                                 buckets=_LATENCY_BUCKETS, registry=r)
         self._up = Gauge("hetserve:worker_up", "1 while the worker serves, 0 once it died or went silent", label,
                          registry=r)
+        self._restarts = Counter("hetserve:worker_restarts", "Times a dead local worker was started again",
+                                 label, registry=r)
         self._running = Gauge("hetserve:num_requests_running", "Requests running", label, registry=r)
         self._waiting = Gauge("hetserve:num_requests_waiting", "Requests waiting", label, registry=r)
         self._pages_used = Gauge("hetserve:kv_pages_used", "KV pages referenced by requests", label, registry=r)
@@ -66,6 +68,9 @@ class Metrics:
         self.worker_up(worker, False)
         for g in (self._running, self._waiting, self._pages_used):
             g.labels(worker).set(0)
+
+    def worker_restarted(self, worker: str) -> None:
+        self._restarts.labels(worker).inc()
 
     def worker_state(self, worker: str, st: ipc.WorkerState) -> None:
         self._running.labels(worker).set(st.running)

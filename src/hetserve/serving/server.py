@@ -76,7 +76,8 @@ def run(args) -> int:
                         measure_profiles=args.startup_profile, disaggregate=args.disaggregate,
                         transfer_bytes_per_s=args.kv_transfer_rate, tokenizer_processes=args.tokenizer_processes,
                         tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout,
-                        ray_address=args.ray_address, ray_restarts=args.ray_restarts)
+                        ray_address=args.ray_address, ray_restarts=args.ray_restarts,
+                        worker_restarts=args.worker_restarts)
     pool = frontend.pool
     if pool.api_cores:  # off the CPU workers' cores, with the tokenizer processes it starts
         placement.pin_process(pool.api_cores)
@@ -143,6 +144,9 @@ def add_parser(sub, add_model_flag, add_engine_flags) -> None:
                    help="seconds one tokenization or template rendering may take (then 400, process restarted)")
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="a worker silent for this long (no heartbeat) is declared dead: its requests fail (503)")
+    p.add_argument("--worker-restarts", type=int, default=3,
+                   help="times a dead local worker is started again, after a back-off (1 s, doubling to 30 s); "
+                        "it loads the model and rejoins with an empty cache (0: a dead worker stays dead)")
     g = p.add_argument_group("Ray (ray:cpu, ray:cuda devices)")
     g.add_argument("--ray-address", default=None,
                    help="the Ray cluster of ray: workers: auto, ray://host:port or host:port (default: start a local one)")

@@ -657,7 +657,9 @@
     card.dataset.state = state;
     card.querySelector(".state").className = "state state-" + state;
     const reason = card.querySelector(".reason");
-    const rtext = state === "dead" ? "dead: " + (w.reason || "no reason given") : "";
+    const why = w.reason || "no reason given";
+    const rtext = state === "dead" ? "dead: " + why
+      : state === "restarting" ? "restarting: " + why + " (restarts so far: " + (w.restarts || 0) + ")" : "";
     reason.hidden = !rtext;
     if (reason.textContent !== rtext) reason.textContent = rtext;
     setField(card, "running", fmt(w.running));
