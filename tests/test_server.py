@@ -109,7 +109,8 @@ def test_models_and_health(server, client):
 
 def test_bench_serve_measures_the_server(server, tmp_path):
     """`hetserve bench serve` against a live server: every request served with exactly the tokens
-    asked for, and its summaries ordered (median <= p99 <= max)."""
+    asked for, and its summaries ordered (median <= p99 <= max). Only what holds at any speed:
+    a request takes some time, but two tokens can arrive in one read (an ITL of 0)."""
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "hetserve.cli", "bench", "serve", "--url", server.url,
                         "--num-prompts", "4", "--max-concurrency", "2", "--input-tokens", "40",
@@ -120,8 +121,9 @@ def test_bench_serve_measures_the_server(server, tmp_path):
     assert (rep["total_input_tokens"], rep["total_output_tokens"]) == (4 * 40, 4 * 6)
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         v = rep[key]
-        assert 0 < v["median"] <= v["p99"] <= v["max"], (key, v)
-    assert rep["ttft_s"]["max"] <= rep["e2e_s"]["max"]
+        assert 0 <= v["median"] <= v["p99"] <= v["max"] and 0 <= v["mean"] <= v["max"], (key, v)
+    assert 0 < rep["ttft_s"]["max"] <= rep["e2e_s"]["max"]
+    assert rep["itl_s"]["max"] <= rep["e2e_s"]["max"] and rep["tpot_s"]["max"] <= rep["e2e_s"]["max"]
     assert "ITL mean" in r.stdout and "max" in r.stdout
 
 
