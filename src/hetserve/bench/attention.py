@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from ..flags import add_model_flag
+
 PAGE = 16
 FLUSH_BYTES = 512 << 20  # past every last-level cache seen here (one VM reports 480 MiB)
 
@@ -144,7 +146,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("attention", help="native decode attention a layer by context length, cold and warm caches; "
                                          "prefill chunks' attention against SDPA")
     add_model_flag(p)

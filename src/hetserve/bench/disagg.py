@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from ..flags import add_model_flag
 from . import plots
 from .routing import _names, _Server, _stream  # the same worker names, server handling and stream client
 
@@ -195,7 +196,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("disagg", help="prefill/decode disaggregation: PD on A, P on A / D on B, PD on B")
     add_model_flag(p)
     p.add_argument("--inference-device", action="append", default=None,

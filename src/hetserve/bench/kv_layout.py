@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .throughput import make_prompts
 
 
@@ -40,7 +41,6 @@ def decode_rate(llm, prompts: list[list[int]], steps: int) -> float:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
     from ..llm import LLM
 
     kw = engine_kwargs(args)
@@ -75,7 +75,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("kv-layout", help="decode tok/s, paged vs contiguous KV cache")
     add_model_flag(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .limits import ReadProbe, limits
 
 _TEXT = (
@@ -115,8 +116,6 @@ def bench_transformers(path: str, ids: list[int], args) -> dict:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
-
     report = {"benchmark": "latency", "model": args.model, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "runs": args.runs, "command": " ".join(sys.argv)}
     report["hetserve"], ids, path = bench_hetserve(args, engine_kwargs(args))
@@ -148,7 +147,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="prefill and decode tok/s of one stream, vs HF transformers")
     add_model_flag(p)
     p.add_argument("--prompt-tokens", type=int, default=512)

@@ -144,7 +144,7 @@ def main(args) -> int:
     return 0 if not o.get("lost") and not any(report["after"].values()) else 1
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("load", help="misbehaving streaming clients against a running server; nothing may be lost")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback server")
     p.add_argument("--api-key", default=None)

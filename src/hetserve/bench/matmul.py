@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .limits import median_time
 
 STEP = "step"  # every linear of the model
@@ -83,7 +84,6 @@ def kernel_wins_up_to(rows: list[dict], rival: str = "gemm") -> int:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
     from ..llm import LLM
 
     from ..layers.prefill_formats import gemm_format, resolve_prefill_format
@@ -124,7 +124,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("matmul", help="a step's linears by kernel format: quantized kernel vs GEMM, by row count")
     add_model_flag(p)
     add_engine_flags(p)

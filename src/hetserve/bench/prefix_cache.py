@@ -20,11 +20,11 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .throughput import make_prompts
 
 
 def _engine(args, **overrides):
-    from ..cli import engine_kwargs
     from ..llm import LLM
 
     kw = engine_kwargs(args)
@@ -162,7 +162,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("prefix-cache", help="warm reuse, publication policy and single-flight TTFT")
     add_model_flag(p)
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="followers / simultaneous requests")

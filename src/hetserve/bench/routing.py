@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from ..flags import add_model_flag
 from . import plots
 from .routing_sim import SimRequest, simulate, summary
 
@@ -329,7 +330,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("routing", help="forced vs cost routing over unequal workers (real, simulated or both)")
     add_model_flag(p)
     p.add_argument("--inference-device", action="append", default=None,

@@ -129,7 +129,7 @@ def main(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="load a running server like `vllm bench serve`")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: none)")

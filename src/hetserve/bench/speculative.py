@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
+
 PROMPTS = {
     "code": "Refactor this Python function into small, well-named functions with type hints and docstrings; "
             "keep its behaviour exactly:\n\n```python\ndef process(data):\n    out = []\n    for d in data:\n"
@@ -151,8 +153,6 @@ def _summary(name: str, prompt: str, temp: float, runs: list[dict]) -> dict:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
-
     unknown = [c for c in args.configs if c not in CONFIGS] + [p for p in args.prompts if p not in PROMPTS]
     if unknown:
         raise ValueError(f"unknown configs or prompts: {', '.join(unknown)} (configs: {', '.join(CONFIGS)}; "
@@ -187,7 +187,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("speculative", help="speculative decoding (policies, TV budgets) vs the target alone")
     add_model_flag(p)
     p.set_defaults(model="qwen2.5-coder-1.5b-instruct")

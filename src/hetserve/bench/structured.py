@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -192,7 +194,6 @@ def _right(call: dict, fn: str, expect: dict) -> bool:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
     from ..layers import native
     from ..llm import LLM
 
@@ -210,7 +211,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("structured", help="masked vs unmasked batch throughput, schema compile time, tool calls")
     add_model_flag(p)
     p.add_argument("--runs", type=int, default=3)

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .latency import prompt_ids
 
 
@@ -65,8 +66,6 @@ def run_transformers(path: str, prompts: list[list[int]], args) -> dict:
 
 
 def main(args) -> int:
-    from ..cli import engine_kwargs
-
     counts = args.max_num_seqs  # this command's list; the engine flags take one value
     args.max_num_seqs = counts[0]
     engine_kw = engine_kwargs(args)
@@ -103,7 +102,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline batch throughput by --max-num-seqs, vs HF transformers")
     add_model_flag(p)
     p.add_argument("--num-prompts", type=int, default=32)

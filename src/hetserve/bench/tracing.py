@@ -12,6 +12,8 @@ import sys
 import tempfile
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
+
 
 def span_totals(events: list[dict]) -> dict[str, list[float]]:
     """Durations (ms) of every B/E span, by name; "matmul" totals are summed per enclosing step."""
@@ -34,7 +36,6 @@ def span_totals(events: list[dict]) -> dict[str, list[float]]:
 
 def main(args) -> int:
     from .. import trace
-    from ..cli import engine_kwargs
     from ..llm import LLM
     from ..sampling_params import SamplingParams
     from .latency import prompt_ids
@@ -94,7 +95,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("tracing", help="decode speed with tracing off vs on, and the cost of disabled spans")
     add_model_flag(p)
     p.add_argument("--prompt-tokens", type=int, default=64)

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
 from .latency import prompt_ids
 from .limits import gemm_gflop_s, read_bandwidth_gb_s, tok_s_limits
 
@@ -47,7 +48,6 @@ def _agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
 def main(args) -> int:
     import torch
 
-    from ..cli import engine_kwargs
     from ..llm import LLM
     from ..models.perplexity import from_logprobs, relative_perplexity
     from ..sampling_params import SamplingParams
@@ -108,7 +108,7 @@ def main(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("weight-formats", help="accuracy (vs the first format) and one-stream speed per weight format")
     add_model_flag(p)
     p.add_argument("--formats", default="fp32,int8,int4", help="comma-separated; the first is the reference")

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from ..flags import add_engine_flags, add_model_flag, engine_kwargs
+
 log = logging.getLogger("hetserve.server")
 
 
@@ -56,7 +58,6 @@ class _DrainOnSignal:
 def run(args) -> int:
     import uvicorn
 
-    from ..cli import engine_kwargs
     from . import placement
     from .api_server import build_app
     from .frontend import Frontend
@@ -116,7 +117,7 @@ def run(args) -> int:
     return 0
 
 
-def add_parser(sub, add_model_flag, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
