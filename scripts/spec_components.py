@@ -16,7 +16,7 @@ import time
 
 from hetserve import LLM, SamplingParams
 from hetserve.bench.speculative import PROMPTS
-from hetserve.spec.proposer import time_forward
+from hetserve.speculative.proposer import time_forward
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 SETTINGS = [("int8", 0), ("int4", 0), ("int8", 32768), ("int4", 32768), ("int4", 16384)]

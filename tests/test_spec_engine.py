@@ -10,8 +10,8 @@ from tiny_model import write_tiny_gguf
 from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
 from hetserve.layers.sampler import argmax
-from hetserve.spec.policy import POLICIES, DraftPolicy, PolicyConfig
-from hetserve.spec.proposer import VocabularyMismatch
+from hetserve.speculative.policy import POLICIES, DraftPolicy, PolicyConfig
+from hetserve.speculative.proposer import VocabularyMismatch
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -356,7 +356,7 @@ def test_engine_stats_reach_worker_state_and_prometheus(tiny_qwen2, drafts):
 
 
 def test_draft_vocab_ids_keep_the_first_normal_tokens_and_every_control_token():
-    from hetserve.spec.proposer import draft_vocab_ids
+    from hetserve.speculative.proposer import draft_vocab_ids
 
     # types: 1 normal, 3 control, 4 user-defined, 5 unused, 6 byte
     types = [1, 1, 3, 1, 5, 1, 4, 6]

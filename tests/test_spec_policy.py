@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetserve.spec.policy import CostPolicy, PolicyConfig, StepCosts, make_policy
+from hetserve.speculative.policy import CostPolicy, PolicyConfig, StepCosts, make_policy
 
 
 def run(policy, rounds):

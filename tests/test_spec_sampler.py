@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from hetserve.spec.rejection import acceptance_probs, mentored_target, residual, verify_greedy, verify_sampled
+from hetserve.speculative.rejection import acceptance_probs, mentored_target, residual, verify_greedy, verify_sampled
 
 V = 4
 BUDGETS = [0.0, 0.5, 0.75, 1.0]

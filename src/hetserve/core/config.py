@@ -97,7 +97,7 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        from ..spec.policy import POLICIES
+        from ..speculative.policy import POLICIES
 
         if self.spec_policy not in POLICIES:
             raise ValueError(f"unknown speculative policy {self.spec_policy!r} ({', '.join(POLICIES)})")

@@ -12,8 +12,8 @@ from .. import trace
 from ..kv.block_pool import BlockPool
 from ..kv.prefix_cache import PrefixCache
 from ..models.decoder import DecoderModel
-from ..spec.policy import DraftPolicy
-from ..spec.speculation import Speculation
+from ..speculative.policy import DraftPolicy
+from ..speculative.speculation import Speculation
 from ..structured.compiler import GrammarCompiler
 from ..structured.manager import StructuredOutputManager
 from .config import EngineConfig, parse_bytes
@@ -280,7 +280,7 @@ class EngineCore:
                                         else None))
         return outputs
 
-    # -- speculative decoding (spec/speculation.py) -----------------------------------------------
+    # -- speculative decoding (speculative/speculation.py) -----------------------------------------------
     def make_spec_policy(self, name: str, k: int, confidence: float | None = None) -> DraftPolicy:
         """A draft policy within this engine's K bounds; a `cost` policy comes measured."""
         return self._speculation().make_policy(name, k, confidence)

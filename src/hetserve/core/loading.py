@@ -21,7 +21,7 @@ from ..models import registry
 from ..models.decoder import DecoderModel
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
-from ..spec.proposer import check_same_vocab, draft_vocab_ids
+from ..speculative.proposer import check_same_vocab, draft_vocab_ids
 from ..structured.compiler import GrammarCompiler
 from .config import EngineConfig
 from .engine import EngineCore

@@ -15,7 +15,7 @@ from .. import trace
 from ..layers.attention import AttentionMetadata
 from ..layers.sampler import SamplingRow, apply_penalties, argmax, distribution, logprob_entry, sample
 from ..models.decoder import DecoderModel
-from ..spec.rejection import verify_greedy, verify_sampled
+from ..speculative.rejection import verify_greedy, verify_sampled
 from .request import Request
 
 
