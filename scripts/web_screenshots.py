@@ -1,4 +1,4 @@
-"""Screenshots of the web page for the README (docs/img/chat.png, docs/img/dashboard.png).
+"""Screenshots of the web page for docs/server.md (docs/img/chat.png, docs/img/dashboard.png).
 
 Starts `hetserve serve` with the real 0.5B model on two workers, asks one question through the
 page in Debian's chromium (driven by Playwright), sends a few more requests, and captures the

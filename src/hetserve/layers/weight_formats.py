@@ -42,7 +42,7 @@ FORMATS = ("auto", "fp32", "int8", "int4", "gguf")
 # `auto` picks this where the extension runs: every tensor as the file holds it where a kernel
 # format does (no weight error added to the file's), int8 elsewhere. It reads 392 / 997 MB a
 # token on the 0.5B / 1.5B with the avx512 kernels (395 / 1049 with avx2, Q4_K as int4) against
-# int8's 525 / 1640 (docs/benchmarks.md, README "CPU fast path").
+# int8's 525 / 1640 (docs/benchmarks.md, docs/cpu.md).
 AUTO_CPU_FORMAT = "gguf"
 
 

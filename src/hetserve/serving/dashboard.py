@@ -71,7 +71,7 @@ class LiveStats:
 
 
 def dashboard(fe) -> dict:
-    """The /v1/dashboard body (fields listed in the README's web page section)."""
+    """The /v1/dashboard body (fields listed in docs/server.md, "Web page")."""
     profiles = fe.worker_profiles()
     workers = []
     for w, h in zip(fe.workers, fe.health()["workers"]):

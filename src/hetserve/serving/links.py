@@ -141,7 +141,7 @@ class RayLink:
 
 def connect_ray(address: str | None) -> None:
     """Join the Ray cluster at `address` (`auto`, `ray://host:port`, host:port), or start a local
-    one (None). Ray's own security applies: see the README on securing a cluster."""
+    one (None). Ray's own security applies: see docs/server.md, "Securing the cluster"."""
     import signal
 
     import ray
