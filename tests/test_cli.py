@@ -21,7 +21,7 @@ def test_generate_json(tiny_qwen2):
     out = json.loads(r.stdout)
     assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "e2e_s"}
     assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
-    assert 0 < out["ttft_s"] <= out["e2e_s"]
+    assert 0 <= out["ttft_s"] <= out["e2e_s"]  # stored to 0.1 ms: a fast machine's first token can read 0
     # Greedy is deterministic: the same command gives the same tokens.
     again = json.loads(hetserve("generate", "--model", tiny_qwen2, "--prompt", "def add(a, b):", "--max-tokens",
                                 "8", "--temperature", "0", "--ignore-eos", "--json").stdout)
@@ -163,16 +163,17 @@ def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path,
     from hetserve.cli import main
 
     out = tmp_path / "latency.json"
-    # 32 output tokens: a decode window long against the 0.1 ms the report rounds run times to
     assert main(["bench", "latency", "--model", tiny_qwen2, "--no-transformers", "--runs", "2", "--prompt-tokens",
                  "64", "--output-tokens", "32", "--out", str(out)]) == 0
     report = json.loads(out.read_text())["hetserve"]
     lim = report["limits"]
-    assert lim["read_gb_s"] > 0.5 and lim["gemm_gflop_s"] > 1 and lim["decode_weight_bytes"] > 0
+    # Measured: positive whatever the machine's speed (a rate, not a bar it must clear)
+    assert lim["read_gb_s"] > 0 and lim["gemm_gflop_s"] > 0 and lim["decode_weight_bytes"] > 0
     # Quantized prefill's limit is the kernels' own instruction peak, not torch's int8 GEMM (which
     # ran at 0.7 GOP/s on an AVX2-only Zen 1, where the kernels' prefill reached 331% of it).
     kernel_prefill = lim["gemm_dtype"] == "torch.int8"
     assert lim["gemm_unit"] == ("int8 dot peak" if kernel_prefill else f"{lim['gemm_dtype'][6:]} GEMM")
+    # Two rates of the same machine, not a bar: the tiny model's prefill reaches some 1e-4 of its limit
     assert report["prefill_tok_s"] < lim["prefill_limit_tok_s"] or not kernel_prefill
     from hetserve import LLM
 
@@ -186,9 +187,11 @@ def test_bench_latency_reports_the_limits_measured_with_it(tiny_qwen2, tmp_path,
     probes, runs = lim["read_gb_s_probes"], report["runs"]
     assert len(probes) == 3 and len(lim["decode_share_runs"]) == 2
     for i, (r, share) in enumerate(zip(runs, lim["decode_share_runs"])):
-        rate = 31 / (r["e2e_s"] - r["ttft_s"])
-        # (the run's times are stored to 0.1 ms, under 1% of the tiny model's 31 decode steps)
-        assert share == pytest.approx(rate * nbytes / ((probes[i] + probes[i + 1]) / 2 * 1e9), rel=0.1)
+        # The stored times are rounded to 0.1 ms and the probes to 0.1 GB/s: the share computed from the
+        # exact values lies between the rates those roundings allow, however short a fast machine's run.
+        window, bw = r["e2e_s"] - r["ttft_s"], (probes[i] + probes[i + 1]) / 2
+        high = 31 / max(window - 1e-4, 1e-12) * nbytes / (max(bw - 0.05, 1e-12) * 1e9)
+        assert 31 / (window + 1e-4) * nbytes / ((bw + 0.05) * 1e9) * 0.999 <= share <= high * 1.001
     assert lim["decode_share"] == pytest.approx(sum(lim["decode_share_runs"]) / 2, rel=1e-3)
     assert "limits measured now: read" in capsys.readouterr().out
 
@@ -253,7 +256,7 @@ def test_bench_matmul_times_each_path_a_linear_can_take(tiny_qwen2, tmp_path, fm
     for name, rows in report["results"].items():
         assert [r["rows"] for r in rows] == [1, 3, 40]
         for r in rows:
-            assert r["gemm_ms"] > 0 and r["best"] in ("gemm", own)
+            assert r["gemm_ms"] >= 0 and r["best"] in ("gemm", own)  # to 0.01 ms: a fast machine can read 0
             assert (f"{own}_ms" in r) == (own == "kernel" or r["rows"] > 1)  # one row: GEMV is the GEMM call
         assert report["faster_than_gemm_up_to"][name] == kernel_wins_up_to(rows)
     assert report["quant_max_rows"] == 32
@@ -283,4 +286,5 @@ def test_bench_attention_times_the_native_decode_attention_cold_and_warm(tiny_qw
     assert [r["context"] for r in report["results"]] == [17, 40]
     for r in report["results"]:
         assert r["kv_bytes_per_layer"] == 2 * r["context"] * report["kv_heads"] * report["head_dim"] * 4
-        assert r["cold_us"] > 0 and r["warm_us"] > 0 and r["cold_min_us"] <= r["cold_us"]
+        # to 0.1 us: a fast machine can read 0; the minimum is never above the median
+        assert r["cold_us"] >= 0 and r["warm_us"] >= 0 and r["cold_min_us"] <= r["cold_us"]

@@ -26,18 +26,20 @@ def test_dashboard_and_answer_stats_of_a_split_request(tiny_qwen2):
         assert final["hetserve"] == {"worker": "cpu1", "cached_tokens": 0, "spec": None,
                                      "disaggregated": {"prefill": "cpu0", "decode": "cpu1"}}
         plain = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None},
-                           headers=KEY).json()
+                           headers=KEY, timeout=60).json()
         assert plain["choices"][0]["hetserve"]["disaggregated"] == {"prefill": "cpu0", "decode": "cpu1"}
 
-        d = httpx.get(s.url + "/v1/dashboard", headers=KEY).json()
+        d = httpx.get(s.url + "/v1/dashboard", headers=KEY, timeout=60).json()
         assert [w["name"] for w in d["workers"]] == ["cpu0", "cpu1"]
         assert all(w["state"] == "up" and w["kv_pages_total"] > 0 and w["profile"] for w in d["workers"])
+        # Rates over the last 5 s (dashboard.RATE_S): the plain request's tokens came milliseconds ago
         assert d["workers"][0]["prefill_tok_s"] > 0 and d["workers"][1]["decode_tok_s"] > 0
         routed = [e for e in d["routes"] if "choice" in e]
         transfers = [e for e in d["routes"] if e.get("event") == "kv_transfer"]
         assert len(routed) == 2 and routed[0]["choice"] == "cpu0" and routed[0]["candidates"]
         assert len(transfers) == 2 and transfers[0]["ok"] and transfers[0]["decode"] == "cpu1"
         lat = d["latency"]
-        assert lat["ttft"]["p50"] > 0 and lat["itl"]["p99"] >= lat["itl"]["p50"] > 0 and lat["series"]
+        # to 0.1 ms: a fast machine's inter-token gap can read 0
+        assert lat["ttft"]["p50"] >= 0 and lat["itl"]["p99"] >= lat["itl"]["p50"] >= 0 and lat["series"]
     finally:
         assert s.stop() == 0

@@ -30,11 +30,12 @@ def split(tiny_qwen2, tmp_path_factory):
 
 
 def pages_used(server, worker: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
-            if line.startswith(f'hetserve:kv_pages_used{{worker="{worker}"}}'))
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'hetserve:kv_pages_used{{worker="{worker}"}}'))
 
 
-def wait_pages_back(server, workers=("cpu0", "cpu1"), timeout=10.0) -> dict:
+def wait_pages_back(server, workers=("cpu0", "cpu1"), timeout=60.0) -> dict:  # only an upper bound
     deadline = time.monotonic() + timeout
     while True:
         used = {w: pages_used(server, w) for w in workers}
@@ -50,7 +51,7 @@ def test_split_gives_single_worker_outputs(tiny_qwen2, split):
     assert [r["choices"][0]["text"] for r in results] == [o.text for o in expected]
     moves = [line for line in routed(split.log) if line.get("event") == "kv_transfer"]
     assert len(moves) == 4 and all(m["ok"] and m["prefill"] == "cpu0" and m["decode"] == "cpu1" for m in moves)
-    assert all(m["bytes"] > 0 and m["transfer_s"] > 0 for m in moves)
+    assert all(m["bytes"] > 0 and m["transfer_s"] >= 0 for m in moves)  # to 1 us: a fast one can read 0
     assert split.metric("hetserve:kv_transfer_bytes_total") == sum(m["bytes"] for m in moves)
     assert wait_pages_back(split) == {"cpu0": 0, "cpu1": 0}
 
@@ -106,11 +107,10 @@ def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests
                "--disaggregate", "prefill=cpu0,decode=cpu1")
 
     async def wait_for(c, line):
-        for _ in range(1000):
-            if line in (await c.get(s.url + "/metrics")).text:
-                return
+        deadline = time.monotonic() + 60  # polled however long a slow host takes; 60 s: it never came
+        while line not in (await c.get(s.url + "/metrics")).text:
+            assert time.monotonic() < deadline, f"never saw {line!r}"
             await asyncio.sleep(0.005)
-        raise AssertionError(f"never saw {line!r}")
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -124,10 +124,12 @@ def test_a_decode_worker_that_dies_with_a_transfer_in_flight_fails_both_requests
             pid = worker_pid(s, "cpu1")
             os.kill(pid, signal.SIGSTOP)
             second = post([6] * 100, 20)
-            for _ in range(1000):  # prefilled on cpu0, whose pages stay held until cpu1 acknowledges
+            deadline = time.monotonic() + 60  # prefilled on cpu0, whose pages stay held until cpu1 acknowledges
+            while await asyncio.to_thread(pages_used, s, "cpu0") == 0:
+                assert time.monotonic() < deadline, "cpu0 never prefilled the second request"
                 await asyncio.sleep(0.005)
-                if pages_used(s, "cpu0") > 0:
-                    break
+            # Makes the relay to cpu1 (in flight, never acknowledged) the likely path; not a race the test
+            # can lose: relayed or not when cpu1 dies, both requests fail naming it and cpu0's pages come back
             await asyncio.sleep(0.2)
             os.kill(pid, signal.SIGKILL)
             return await hog, await second

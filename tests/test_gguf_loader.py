@@ -260,7 +260,7 @@ def test_malformed(valid, case: str):
     start = time.perf_counter()
     with pytest.raises(GGUFError) as info:
         GGUFFile(path)
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 60  # only a hang (a loop over a planted 2**40 count): a parse takes ms
     message = str(info.value)
     assert str(path) in message
     assert expected in message
@@ -290,4 +290,4 @@ def test_random_corruption_only_raises_gguf_error(valid):
                     f.load_tensor(name)
         except GGUFError as e:
             assert str(path) in str(e)
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < 600  # only a hang: the 300 files take seconds even on a slow host

@@ -88,7 +88,7 @@ def test_echo_scores_the_prompt_as_generation_scored_it(server, client, tiny_qwe
 
 def test_echo_streams_the_prompt_first(server):
     body = {"prompt": [5, 6, 7], "max_tokens": 3, "echo": True, "stream": True, "temperature": 0}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     text = "".join(c["choices"][0]["text"] for c in chunks)
     full = complete(server, **{k: v for k, v in body.items() if k != "stream"})["choices"][0]["text"]

@@ -217,15 +217,17 @@ def test_disconnecting_clients_cancel(server):
         before = tokens_made()
 
         async def main():
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with httpx.AsyncClient(timeout=120) as client:
                 await leave(client)
 
         asyncio.run(main())
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # only an upper bound: the abort lands within a step or two
         while server.metric("hetserve:num_requests_running") != 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.metric("hetserve:num_requests_running") == 0 and server.metric("hetserve:kv_pages_used") == 0
-        assert tokens_made() - before < 240, leave.__name__  # of 480
+        # Of 480: the tokens made while the abort travels (8 at most seen on a loaded 2-core host) are the
+        # worker's steps over the frontend's reaction, both CPU work of the same machine: not a speed bar
+        assert tokens_made() - before < 240, leave.__name__
 
 
 def test_strict_openai_types(server, model):
@@ -234,10 +236,10 @@ def test_strict_openai_types(server, model):
     from pydantic import TypeAdapter
 
     body = {"model": model, "input": "hi", "max_output_tokens": 3, "metadata": {"a": "b"}}
-    r = httpx.post(server.url + "/v1/responses", json=body)
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert Response.model_validate(r.json()).output_text == r.json()["output"][0]["content"][0]["text"]
     events = TypeAdapter(ResponseStreamEvent)
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}) as r:
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
         lines = [x for x in r.iter_lines() if x]
     for kind, data in zip(lines[::2], lines[1::2]):
         assert events.validate_json(data.removeprefix("data: ")).type == kind.removeprefix("event: ")
@@ -252,7 +254,7 @@ def test_worker_death_mid_stream_fails_the_response(tiny_qwen2):
     try:
         body = {"input": "long", "max_output_tokens": 400, "ignore_eos": True, "stream": True}
         kinds = []
-        with httpx.stream("POST", s.url + "/v1/responses", json=body, timeout=30) as r:
+        with httpx.stream("POST", s.url + "/v1/responses", json=body, timeout=120) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("event: "):

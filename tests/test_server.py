@@ -50,7 +50,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -266,7 +266,7 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,status,needle", BAD)
 def test_bad_input_gets_openai_error(server, client, path, body, status, needle):
-    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and needle in err["message"] + str(err["param"])
@@ -277,7 +277,7 @@ def test_bad_input_gets_openai_error(server, client, path, body, status, needle)
 
 def test_body_too_large(server):
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}',
-                   headers={"content-type": "application/json"})
+                   headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
@@ -322,13 +322,14 @@ def test_disconnecting_clients_free_their_pages(server):
             await asyncio.gather(*[one(client, i) for i in range(16)])
 
     asyncio.run(main())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # only an upper bound: the aborts land within a step or two
     while server.metric("hetserve:kv_pages_used") != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.metric("hetserve:kv_pages_used") == 0
     assert server.metric("hetserve:num_requests_running") == 0
     assert server.metric("hetserve:kv_pages_total") > 0
-    assert server.metric("hetserve:prefill_chunk_budget") == 512  # the tiny model prefills 512 tokens in far under 1 s
+    # What prefills in --max-decode-stall, measured: between the pacer's floor and cap whatever the machine's speed
+    assert 64 <= server.metric("hetserve:prefill_chunk_budget") <= 512
     assert server.metric("hetserve:time_to_first_token_seconds_count") > 0
 
 
@@ -381,9 +382,11 @@ def test_sigterm_drains_and_exits_cleanly(tiny_qwen2):
                             s.proc.send_signal(signal.SIGTERM)
 
     asyncio.run(stream())
-    assert s.proc.wait(30) == 0
+    assert s.proc.wait(120) == 0
     assert any('"error"' in line for line in lines) or lines[-1] == "data: [DONE]"
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # reaped by init once their parent is gone: poll, not a fixed wait
+    while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert all(not os.path.exists(f"/proc/{p}") for p in workers), "worker process left behind"
 
 
@@ -420,10 +423,12 @@ def test_worker_death_fails_requests_and_health(tiny_qwen2):
                 return r, time.monotonic() - t
 
         r, waited = asyncio.run(main())
+        # "died": its exit seen (a 0.1 s poll), not the heartbeat deadline ("stopped responding", 15 s);
+        # the bound only catches a request left hanging (a correct server answers in well under a second)
         assert r.status_code == 503 and "died" in r.json()["error"]["message"]
-        assert waited < 5
+        assert waited < 60
         assert httpx.get(s.url + "/health").status_code == 503
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
         assert r.status_code == 503
     finally:
         s.stop()

@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -29,13 +30,34 @@ from hetserve.serving.frontend import Frontend, ServiceUnavailable
 SPIN = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 
 
-def chat(url: str, content: str, timeout: float = 30) -> httpx.Response:
+def chat(url: str, content: str, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", timeout=timeout,
                       json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
 
 def complete(url: str, **body) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 2, **body}, timeout=30)
+    return httpx.post(url + "/v1/completions", json={"prompt": "fine", "max_tokens": 2, **body}, timeout=120)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds `pid` has used (user + system), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def until_a_tokenizer_spins(s: Server) -> None:
+    """Until a tokenizer process (idle until now) has spent 0.2 s of CPU: it runs the spinning
+    template. A condition, not a fixed sleep that a slow host may not have reached it in."""
+    pids = [p for p in s.child_pids() if p not in s.worker_pids()]
+    base = {p: _cpu_s(p) for p in pids}
+    deadline = time.monotonic() + 60
+    while not any(_cpu_s(p) - base[p] >= 0.2 for p in pids):
+        assert time.monotonic() < deadline, "no tokenizer process ran the template"
+        time.sleep(0.02)
 
 
 def test_every_way_out_of_generate_releases_the_request(tiny_qwen2):
@@ -90,7 +112,7 @@ def test_every_way_out_of_generate_releases_the_request(tiny_qwen2):
 
 
 def test_bad_requests_leave_the_queue_and_shutdown_clean(tiny_qwen2):
-    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--max-queued-requests", "2", "--shutdown-timeout", "20")
+    s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--max-queued-requests", "2", "--shutdown-timeout", "60")
     try:
         bad = [{"seed": 2**64}, {"top_k": 2**70}, {"stop_token_ids": [2**64]}, {"worker": "nope"},
                {"logit_bias": {"100000": 1}}, {"max_tokens": 10**6}, {"prompt": [1, 10**6]}]
@@ -126,10 +148,10 @@ def test_silent_worker_fails_its_requests_and_leaves_routing(tiny_qwen2):
 
                 task = asyncio.ensure_future(stream())
                 running = 'hetserve:num_requests_running{worker="cpu1"} 1.0'
-                for _ in range(1000):
+                deadline = time.monotonic() + 60  # polled however long a slow host takes; 60 s: it never ran
+                while running not in (await c.get(s.url + "/metrics")).text:
+                    assert time.monotonic() < deadline, "cpu1 never showed the request running"
                     await asyncio.sleep(0.005)
-                    if running in (await c.get(s.url + "/metrics")).text:
-                        break
                 os.kill(worker_pid(s, "cpu1"), signal.SIGSTOP)
                 t = time.monotonic()
                 lines = await task
@@ -137,7 +159,9 @@ def test_silent_worker_fails_its_requests_and_leaves_routing(tiny_qwen2):
 
         lines, waited = asyncio.run(main())
         assert "stopped responding" in lines[-2] and lines[-1] == "data: [DONE]"
-        assert waited < 3 + 3  # the deadline plus a heartbeat period and the monitor's tick
+        # The 3 s deadline plus a heartbeat period and the monitor's tick (wall-clock, not work), with room
+        # for a loaded host's scheduling; the default 15 s (the flag ignored) or never would fail it
+        assert waited < 12
         health = httpx.get(s.url + "/health")
         assert health.status_code == 200  # cpu0 still serves
         cpu1 = health.json()["workers"][1]
@@ -177,6 +201,14 @@ def test_bad_frames_on_the_private_socket_are_dropped(tiny_qwen2):
         with open(f"/proc/{worker_pid(s, 'cpu')}/cmdline", "rb") as f:
             inbox = json.loads(f.read().split(b"\0")[3])["from_worker"]
         directory = os.path.dirname(inbox.removeprefix("ipc://"))
+        log: list[str] = []
+
+        def read_log():  # the server's output as it comes, to wait on its lines
+            for line in s.proc.stdout:
+                log.append(line)
+
+        reader = threading.Thread(target=read_log, daemon=True)
+        reader.start()
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
@@ -196,17 +228,20 @@ def test_bad_frames_on_the_private_socket_are_dropped(tiny_qwen2):
         ]
         for frame in frames:
             sock.send(msgpack.packb(frame))
-        sock.close(linger=1000)
+        sock.close(linger=60_000)  # only an upper bound: term() returns once the frames are delivered
         ctx.term()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # read and dropped in the server's own time: poll its log
+        while sum("dropped a message on the worker socket" in line for line in log) < len(frames):
+            assert time.monotonic() < deadline, "".join(log)[-3000:]
+            time.sleep(0.05)
         for _ in range(3):
             r = complete(s.url, ignore_eos=True)  # sampled at temperature 1: an EOS would end it early
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert httpx.get(s.url + "/health").json()["workers"][0]["kv_pages_total"] > 1  # the first Ready stands
     finally:
         assert s.stop() == 0
-    log = s.proc.stdout.read()
-    assert log.count("dropped a message on the worker socket") == len(frames)
+    reader.join(60)
+    assert "".join(log).count("dropped a message on the worker socket") == len(frames)
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +253,15 @@ def spinning_models(tmp_path_factory):
 
 
 def test_a_runaway_template_gets_a_400_and_blocks_nobody(spinning_models):
-    s = Server(spinning_models[0], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "4",
+    # A budget of 10 s: the three other requests take milliseconds, even on a slow host
+    s = Server(spinning_models[0], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "10",
                "--shutdown-timeout", "5")
     try:
         async def main():
             async with httpx.AsyncClient(timeout=60, base_url=s.url) as c:
                 body = {"messages": [{"role": "user", "content": "spin"}], "max_tokens": 2}
                 spin = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(until_a_tokenizer_spins, s)
                 others = await asyncio.gather(
                     c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
                     c.post("/tokenize", json={"prompt": "hi"}),
@@ -234,20 +270,22 @@ def test_a_runaway_template_gets_a_400_and_blocks_nobody(spinning_models):
                 return others, spin.done(), await spin
 
         others, spin_was_done, spin = asyncio.run(main())
-        assert spin.status_code == 400 and "budget of 4 s" in spin.json()["error"]["message"]
+        assert spin.status_code == 400 and "budget of 10 s" in spin.json()["error"]["message"]
         assert [r.status_code for r in others] == [200, 200, 200] and not spin_was_done  # nobody waited for it
         assert chat(s.url, "hello").status_code == 200  # the killed process was replaced
         assert chat(s.url, "spin").status_code == 400
         t = time.monotonic()
     finally:
         assert s.stop() == 0
-    assert time.monotonic() - t < 5 + 1
+    # --shutdown-timeout 5 kept, a tokenizer process restarting: the exit is due at 5 s by construction, the
+    # slack only absorbs a loaded host's scheduling; what fails it is an exit that ignores the timeout
+    assert time.monotonic() - t < 5 + 10
 
 
 def test_a_template_that_never_ends_is_caught_at_load(spinning_models):
     s = Server(spinning_models[1], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "1")
     try:
-        r = chat(s.url, "hi", timeout=5)
+        r = chat(s.url, "hi")
         assert r.status_code == 400 and "load-time check" in r.json()["error"]["message"]
         assert complete(s.url).status_code == 200
     finally:
@@ -270,14 +308,17 @@ def test_abandoned_requests_do_not_hold_the_tokenizer(tiny_qwen2):
                     except httpx.TimeoutException:
                         pass
                 await asyncio.gather(*(abandon() for _ in range(30)))
-                await asyncio.sleep(0.5)  # their handlers notice the disconnects
+                # No wait for their handlers: an abandoned job is dropped as soon as its handler queues it
+                # (the disconnect came first), long before the one running job frees the process.
                 t = time.monotonic()
                 r = await c.post("/tokenize", json={"prompt": "hi"}, timeout=60)
                 return r, time.monotonic() - t
 
         r, waited = asyncio.run(main())
         assert r.status_code == 200
-        assert waited < one + 1.0, (waited, one)  # behind at most the one job already running, not 30
+        # Behind at most the one job already running (a loaded host may run it a few times slower than
+        # `one`), not the 30 abandoned ones (30 x `one` on a machine of any speed)
+        assert waited < 5 * one + 1, (waited, one)
     finally:
         assert s.stop() == 0
 
@@ -290,6 +331,7 @@ def test_health_answers_while_a_huge_prompt_is_refused(tiny_qwen2):
         with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=s.url, timeout=60) as c:
             # The big request from its own thread and client, so that only the server's delays are timed;
             # no garbage collection in this process while timing.
+            t0 = time.monotonic()
             task = pool.submit(httpx.post, s.url + "/v1/completions", content=body,
                                headers={"content-type": "application/json"}, timeout=60)
             worst, polls = 0.0, 0
@@ -302,30 +344,54 @@ def test_health_answers_while_a_huge_prompt_is_refused(tiny_qwen2):
                     time.sleep(0.02)
             finally:
                 gc.enable()
+            took = time.monotonic() - t0
             r = task.result()
         assert r.status_code == 400 and "context" in r.json()["error"]["message"]
-        assert polls >= 5 and worst < 0.1, (polls, worst)
+        # Against the request's own time, so on a machine of any speed: /health waits for at most the JSON
+        # parse (3% of it measured, loaded), where tokenizing in the event loop would hold it for most of it
+        assert polls >= 1 and worst < took / 2, (polls, worst, took)
     finally:
         assert s.stop() == 0
 
 
 def test_client_disconnects_log_one_line_and_shutdown_keeps_its_promise(tiny_qwen2):
     s = Server(tiny_qwen2, "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--shutdown-timeout", "4")
-    try:
-        for _ in range(3):  # non-streaming clients that give up mid-generation
-            with pytest.raises(httpx.TimeoutException):  # 500 tokens take far longer than 50 ms
-                httpx.post(s.url + "/v1/completions", timeout=0.05,
-                           json={"prompt": "long", "max_tokens": 500, "ignore_eos": True})
+    body, n = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}, 80
 
-        async def load():  # enough queued work to outlast the timeout
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                body = {"prompt": "long", "max_tokens": 500, "ignore_eos": True}
-                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40)),
+    async def metric(name: str) -> float:
+        return await asyncio.to_thread(s.metric, name)
+
+    try:
+        async def give_up():
+            """Non-streaming clients that leave mid-generation: each as soon as its request runs (not after
+            a fixed timeout, which a fast machine's 500 tokens could beat)."""
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                for _ in range(3):
+                    deadline = time.monotonic() + 60  # only an upper bound: the last one's abort lands in a step
+                    while await metric("hetserve:num_requests_running"):
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.01)
+                    task = asyncio.ensure_future(c.post("/v1/completions", json=body))
+                    while not task.done() and await metric("hetserve:num_requests_running") == 0:
+                        await asyncio.sleep(0.002)
+                    assert not task.done(), task.result().text
+                    task.cancel()  # closes the connection
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+
+        asyncio.run(give_up())
+
+        async def load():  # queued work many times the timeout (500 tokens each, one request at a time)
+            async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=httpx.Limits(max_connections=n)) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(n)),
                                             return_exceptions=True)
 
         async def main():
             task = asyncio.ensure_future(load())
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 60  # until the worker holds the work: polled, not a fixed wait
+            while await metric("hetserve:num_requests_waiting") < n - 20:
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.05)
             t = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             while s.proc.poll() is None:
@@ -335,7 +401,9 @@ def test_client_disconnects_log_one_line_and_shutdown_keeps_its_promise(tiny_qwe
             return took
 
         took = asyncio.run(main())
-        assert s.proc.returncode == 0 and took < 4 + 0.5, took
+        # Due at 4 s by construction; the slack absorbs a loaded host's scheduling. Draining the 60+ queued
+        # requests instead would take 60 x 500 tokens: far longer, even on a machine twice as fast.
+        assert s.proc.returncode == 0 and took < 4 + 6, took
     finally:
         s.stop()
     log = s.proc.stdout.read()
@@ -374,7 +442,7 @@ def test_children_end_with_the_api_process_however_it_dies(spinning_models):
     finally:
         api.kill()
         api.wait()
-    assert not _still_running(children, 15), children
+    assert not _still_running(children, 60), children  # only an upper bound: they notice within a second or so
 
     # Killed while a tokenizer process runs a chat template that never ends, the worker idle.
     s = Server(spinning_models[0], "--kv-cache-memory", "8MiB", "--tokenize-timeout", "600")
@@ -382,9 +450,9 @@ def test_children_end_with_the_api_process_however_it_dies(spinning_models):
     assert len(children) >= 2 and s.worker_pids()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         spin = pool.submit(chat, s.url, "spin", 60)
-        time.sleep(1.0)  # the template is running
+        until_a_tokenizer_spins(s)
         s.proc.kill()
         s.proc.wait()
         with pytest.raises(httpx.HTTPError):
             spin.result()
-    assert not _still_running(children, 15), children
+    assert not _still_running(children, 60), children

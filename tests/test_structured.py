@@ -135,7 +135,7 @@ def test_pathological_constraints_are_refused_or_bounded(llm, make_spec):
         assert out.finish_reason in ("length", "stop", "abort")
     except StructuredOutputError:
         pass
-    assert time.perf_counter() - t < 20
+    assert time.perf_counter() - t < 120  # only an unbounded compile: a bounded one takes seconds at most
     assert_pages_back(llm)
 
 
@@ -238,7 +238,7 @@ def test_a_slow_compile_never_stalls_other_requests(tiny_qwen2):
     compiler = eng.structured.compiler
     release = threading.Event()
     real = compiler.compile
-    compiler.compile = lambda spec: (release.wait(30), real(spec))[1]
+    compiler.compile = lambda spec: (release.wait(600), real(spec))[1]  # set below, or in the finally
     try:
         eng.add_request(Request("slow", PROMPTS[0], constrained(CONSTRAINTS[0][0])))
         eng.add_request(Request("plain", PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
@@ -247,7 +247,7 @@ def test_a_slow_compile_never_stalls_other_requests(tiny_qwen2):
             for o in eng.step():
                 if o.finished:
                     done[o.request_id] = o
-            assert time.monotonic() - t < 20
+            assert time.monotonic() - t < 120  # only a hang: eight tokens while the compile waits
         assert "slow" in eng.structured.compiling and "slow" not in done
         eng.add_request(Request("gone", PROMPTS[2], constrained(CONSTRAINTS[1][0])))
         assert eng.abort("gone") and "gone" not in eng.structured.compiling  # aborted while compiling

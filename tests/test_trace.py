@@ -41,7 +41,7 @@ def spans(events):
 def test_trace_is_well_formed_and_nested(traced_run):
     events, num_layers, native_layers = traced_run
     all_spans = spans(events)
-    assert all(s["end"] > s["ts"] for s in all_spans), "non-positive duration"
+    assert all(s["end"] >= s["ts"] for s in all_spans), "a span ends before it begins"  # a short one can read 0
     names = {s["name"] for s in all_spans}
     assert {"step", "schedule", "forward", "model", "matmul", "lm_head", "sample"} <= names
     if native_layers:  # every step here has at most 16 rows a sequence: all run native

@@ -65,7 +65,7 @@ def running_on(s: Server, worker: str) -> bool:
 
 def test_a_killed_or_silent_local_worker_comes_back_until_its_restarts_are_spent(tiny_qwen2):
     s = Server(tiny_qwen2, "--inference-device", "cpu:threads=1", "--inference-device", "cpu:threads=1",
-               "--kv-cache-memory", "8MiB", "--no-startup-profile", "--worker-timeout", "3",
+               "--kv-cache-memory", "8MiB", "--no-startup-profile", "--worker-timeout", "5",
                "--worker-restarts", "2")
     try:
         # Each worker in turn, killed while it runs a request under load.
@@ -94,10 +94,10 @@ def test_a_killed_or_silent_local_worker_comes_back_until_its_restarts_are_spent
         # --worker-timeout and killed), one killed. No worker serves until they are back.
         os.kill(worker_pid(s, "cpu0"), signal.SIGSTOP)
         os.kill(worker_pid(s, "cpu1"), signal.SIGKILL)
-        wait_for("both workers down", lambda: httpx.get(s.url + "/health").status_code == 503)
-        h = httpx.get(s.url + "/health").json()
+        wait_for("both workers down", lambda: httpx.get(s.url + "/health", timeout=30).status_code == 503)
+        h = httpx.get(s.url + "/health", timeout=30).json()
         assert h["status"] == "unavailable" and h["error"]["type"] == "service_unavailable"
-        wait_for("both workers back", lambda: httpx.get(s.url + "/health").status_code == 200
+        wait_for("both workers back", lambda: httpx.get(s.url + "/health", timeout=30).status_code == 200
                  and all(w["state"] == "up" for w in health(s).values()))
         assert {n: w["restarts"] for n, w in health(s).items()} == {"cpu0": 2, "cpu1": 2}
         for name in ("cpu0", "cpu1"):
