@@ -57,14 +57,14 @@ def test_one_device_takes_threads_and_overrides_as_serve_does(tiny_qwen2, monkey
     own device strings failed on `cpu:threads=N`, which the flag's help offers."""
     import torch
 
-    from hetserve import cli
+    from hetserve import cli, flags
 
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "--model", tiny_qwen2, "--prompt", "hi", "--max-num-seqs", "8",
                               "--inference-device", "cpu:threads=1,max_num_seqs=2,dtype=float32"])
-    kw = cli.engine_kwargs(args)
+    kw = flags.engine_kwargs(args)
     assert threads == [1] and kw["device"] == "cpu" and kw["dtype"] == "float32" and kw["max_num_seqs"] == 2
     base = ["generate", "--model", tiny_qwen2, "--prompt", "def add(a, b):", "--max-tokens", "6", "--temperature",
             "0", "--ignore-eos", "--json"]
