@@ -135,8 +135,12 @@ class WorkerPool:
                 continue
             w.link.close()
             w.restarts, w.restart_at = w.restarts + 1, None
-            w.link = LocalLink(self._ctx, {**w.start, "to_worker": f"{w.start['to_worker']}.{w.restarts}",
-                                           "measure_profile": False})
+            try:
+                w.link = LocalLink(self._ctx, {**w.start, "to_worker": f"{w.start['to_worker']}.{w.restarts}",
+                                               "measure_profile": False})
+            except (OSError, zmq.ZMQError) as e:  # no process or socket to be had: it stays dead
+                w.dead = w.reason = f"worker {w.name} could not be started again ({e})"
+                continue
             self.rejoining(w)
             started.append(w)
         return started
