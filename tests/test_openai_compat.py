@@ -131,6 +131,13 @@ def test_raw_prompts_parse_special_tokens(server, tiny_qwen2):
     assert llm.encode(chatml) == special and llm.encode(chatml, parse_special=False) == plain
 
 
+def test_fill_in_the_middle_needs_a_model_with_fim_tokens(server):
+    for path, body in (("/v1/completions", {"prompt": "def f(", "suffix": ")\n"}),
+                       ("/infill", {"input_prefix": "def f(", "input_suffix": ")\n"})):
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and "no fill-in-the-middle tokens" in r.json()["error"]["message"], r.text
+
+
 def test_sse_events_stay_one_line():
     line = sse_data({"text": "a\u2028b\u2029c\x85d\ne"})
     assert line.count("\n") == 2 and len(line[:-2].splitlines()) == 1

@@ -20,6 +20,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5-Coder's fill-in-the-middle tokens (fim=True)
+FIM_SPECIALS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 
 _CORPUS = """
 def add(a, b):
@@ -110,15 +112,18 @@ def write_tiny_gguf(
     noise: float = 0.0,
     chat_template: str = CHATML_TEMPLATE,
     qtypes: tuple[str, ...] = (),
+    fim: bool = False,
 ) -> str:
     """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16.
     noise > 0 adds N(0, noise * scale) to every matrix of the seed's model: a related model (a
     speculative draft that agrees with the noise-free one on some tokens). qtypes: GGML types the
-    layers' matrices take in turn instead (Q5_K needs widths that are multiples of 256)."""
+    layers' matrices take in turn instead (Q5_K needs widths that are multiples of 256). fim: the
+    vocabulary has Qwen2.5-Coder's fill-in-the-middle tokens too."""
     pre = "qwen2" if arch == "qwen2" else "llama-bpe"
     tokens, merges = _bpe_vocab(pre)
-    tokens = list(tokens) + SPECIALS
-    types = [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)) + [gguf.TokenType.CONTROL] * len(SPECIALS)
+    specials = SPECIALS + (FIM_SPECIALS if fim else [])
+    tokens = list(tokens) + specials
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - len(specials)) + [gguf.TokenType.CONTROL] * len(specials)
     vocab = len(tokens)
     eos = tokens.index("<|im_end|>") if arch == "qwen2" else tokens.index("<|endoftext|>")
 

@@ -28,6 +28,7 @@ from hetserve.models.chat_template import (
     render,
     render_marking_data,
 )
+from hetserve.models.fim import FimTokens, NoFIM, infill_ids
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PROMPT_PARSES_SPECIAL", "Tokenizer", "TokenizerError"]
 
@@ -164,6 +165,7 @@ class Tokenizer:
         stops |= {self._ids.get(name) for name in _STOP_NAMES}
         self._stops = frozenset(i for i in stops if i is not None)
         self.special_token_ids = frozenset(self._ids[t] for t, ty in zip(tokens, types) if ty == _CONTROL)
+        self.fim = FimTokens.find(md, self._ids, len(tokens))  # None: the model does no fill-in-the-middle
 
         # Leftmost-longest, like tokenizers' added-vocabulary matcher.
         specials = sorted({t for t, ty in zip(tokens, types) if ty == _CONTROL}, key=len, reverse=True)
@@ -223,6 +225,20 @@ class Tokenizer:
     def encode_prompt(self, text: str, parse_special: bool = PROMPT_PARSES_SPECIAL) -> list[int]:
         """Token ids of a raw prompt: special-token spellings are special tokens unless told not."""
         return self.encode(text, allow_special=parse_special)
+
+    def encode_infill(self, prefix: str, suffix: str, extra: Sequence[Mapping[str, str]] = (),
+                      filename: str | None = None, repo: str | None = None,
+                      budget: int | None = None) -> tuple[list[int], bool]:
+        """(ids, truncated) of a fill-in-the-middle prompt (models/fim.py): the code around the
+        cursor and other files of the repository, all read as plain text. NoFIM (a ValueError)
+        for a model without FIM tokens."""
+        if self.fim is None:
+            raise NoFIM("this model has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                        "<|fim_middle|> or the GGUF's tokenizer.ggml.fim_*_token_id)")
+        bos = [self._bos] if self._add_bos and self._bos is not None else []
+        ids, truncated = infill_ids(lambda t: self.encode(t, add_bos=False), self.fim, prefix, suffix, extra,
+                                    filename, repo, None if budget is None else budget - len(bos))
+        return bos + ids, truncated
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._special.decode(list(ids), skip_special_tokens=skip_special_tokens)

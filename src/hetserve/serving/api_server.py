@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -44,6 +45,20 @@ def sse_data(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
+async def deltas(fe: Frontend, ids: list[int], params: SamplingParams, **route) -> AsyncIterator[Delta]:
+    """One request's deltas for a route: a failure is an APIError (503 for a worker or the server
+    unavailable, 400 for what the request asked), and a consumer that stops (a cancel, a client
+    gone) aborts the request now, not when the generator is collected."""
+    try:
+        async with contextlib.aclosing(fe.generate(ids, params, **route)) as gen:
+            async for d in gen:
+                yield d
+    except (ServiceUnavailable, RequestFailed) as e:
+        raise APIError(503, str(e)) from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
 WEB_DIR = Path(__file__).parent / "web"  # the page at / (no API key: it holds no data; its calls need one)
 
 
@@ -63,6 +78,10 @@ class _Job:
 
 def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: int = 4 << 20,
               lifespan=None, http_limits: HttpLimits | None = None) -> FastAPI:
+    # Here, not at the top: these adapters import this module.
+    from .infill import add_infill_routes, fim_prompt, fim_stops
+    from .responses import add_responses_routes
+
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     fe = frontend
 
@@ -154,10 +173,18 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompts = await _completion_prompts(request, body.prompt, body.parse_special)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens: 0 is only meaningful with echo (prompt scoring)", "max_tokens")
-        return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+        if body.suffix is None:
+            prompts = await _completion_prompts(request, body.prompt, body.parse_special)
+            return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+        # Fill in the middle: each prompt is the text before the insertion, suffix the text after it.
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if body.echo or not texts or not all(isinstance(t, str) for t in texts) or len(texts) > MAX_PROMPTS:
+            raise APIError(400, f"suffix needs 1 to {MAX_PROMPTS} text prompts (not token ids) and no echo", "suffix")
+        prompts = [(await fim_prompt(request, fe, t, body.suffix, [], None, body.max_tokens))[0] for t in texts]
+        return await _serve(body, request, prompts, body.max_tokens, body.logprobs, chat=False,
+                            stop_ids=fim_stops(fe))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -232,7 +259,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, str(e), e.field) from None
 
     async def _serve(body, request: Request, prompts: list[list[int]], max_tokens, logprobs, chat: bool,
-                     tools: tool_calls.Tools | None = None):
+                     tools: tool_calls.Tools | None = None, stop_ids: set[int] = frozenset()):
         # n choices per prompt share its id list (usage counts each prompt once).
         echo = not chat and body.echo
         score_only = echo and max_tokens == 0  # prompt scoring: run one token, return none
@@ -243,6 +270,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
             params = [body.sampling_params(1 if score_only else max_tokens, logprobs, i % body.n, structured)
                       for i in range(len(choice_prompts))]
             for p, ids in zip(params, choice_prompts):
+                p.stop_token_ids = sorted(set(p.stop_token_ids) | stop_ids)
                 if echo and logprobs is not None and p.prompt_logprobs is None:
                     p.prompt_logprobs = logprobs  # echo + logprobs scores the prompt too
                 p.max_tokens = fe.check_length(len(ids), p.max_tokens)
@@ -319,16 +347,8 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     def _route(body) -> dict:
         return {"cache_salt": body.cache_salt, "worker": body.worker}
 
-    async def _run(ids, params, route: dict) -> AsyncIterator[Delta]:
-        try:
-            async for d in fe.generate(ids, params, **route):
-                yield d
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e)) from None
-        except RequestFailed as e:
-            raise APIError(503, str(e)) from None
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+    def _run(ids, params, route: dict) -> AsyncIterator[Delta]:
+        return deltas(fe, ids, params, **route)
 
     def _shown(job: "_Job", d: Delta) -> tuple[str, list[int], list]:
         """What a choice shows of a delta: nothing of the one token a prompt-scoring job runs."""
@@ -478,10 +498,7 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    from .responses import (
-        add_responses_routes,  # here, not at the top: responses imports this module
-    )
-
     add_responses_routes(app, fe)
+    add_infill_routes(app, fe)
     (http_limits or HttpLimits()).install(app, api_key, max_body_bytes)  # auth, body cap, CORS, origins
     return app

@@ -238,6 +238,14 @@ class Frontend:
             "encode_prompt", text=text, parse_special=parse_special,
             limit=self.max_model_len if for_context else None))
 
+    async def encode_infill(self, prefix: str, suffix: str, extra: list[dict], filename: str | None,
+                            max_tokens: int) -> tuple[list[int], bool]:
+        """A fill-in-the-middle prompt (models/fim.py) cut to leave max_tokens of the context:
+        (ids, truncated). TokenizeFailed (a 400) for bad input or a model without FIM tokens."""
+        ids, truncated = await self.tokenizers.call("encode_infill", prefix=prefix, suffix=suffix, extra=extra,
+                                                    filename=filename, budget=self.max_model_len - max_tokens)
+        return ids, truncated
+
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, for_context: bool = True) -> list[int]:
         if self.template_error:

@@ -193,6 +193,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # the text after the insertion point: a fill-in-the-middle prompt
     # Special-token spellings in a raw prompt ("<|im_start|>") are special tokens, as in HF,
     # vLLM and llama.cpp; false reads them as plain text.
     parse_special: bool = PROMPT_PARSES_SPECIAL

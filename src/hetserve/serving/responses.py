@@ -9,7 +9,6 @@ are kept in a bounded in-memory store so that later requests can continue them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -23,8 +22,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
-from .api_server import sse_data
-from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
+from .api_server import deltas, sse_data
+from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import APIError, unless_gone
 from .protocol import MAX_MESSAGES, _Body
 
@@ -240,15 +239,8 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
                 store.put(done, conversation + [{"role": "assistant", "content": text}])
             return done
 
-        async def run() -> AsyncIterator[Delta]:
-            try:  # aclosing: a cancelled or closed consumer aborts the request now, not when collected
-                async with contextlib.aclosing(fe.generate(ids, params, cache_salt=body.cache_salt)) as gen:
-                    async for d in gen:
-                        yield d
-            except (ServiceUnavailable, RequestFailed) as e:
-                raise APIError(503, str(e)) from None
-            except ValueError as e:
-                raise APIError(400, str(e)) from None
+        def run() -> AsyncIterator[Delta]:
+            return deltas(fe, ids, params, cache_salt=body.cache_salt)
 
         async def events() -> AsyncIterator[str]:
             seq = [0]

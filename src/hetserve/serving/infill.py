@@ -1,0 +1,141 @@
+"""llama.cpp's `POST /infill`, the route editor plugins (llama.vim, llama.vscode) complete code
+with: the text before and after the cursor (`input_prefix`, `input_suffix`), other files of the
+repository (`input_extra`, `[{filename, text}]`) and what was typed since (`prompt`), laid out as
+the model's fill-in-the-middle prompt (models/fim.py); the answer in llama.cpp's completion shape
+(`content`, `stop`, `tokens_predicted`, `tokens_evaluated`, `tokens_cached`, `truncated`,
+`stop_type`, `timings`), streamed as its SSE events or not. A request whose client leaves (the
+user typed on) is aborted at once. `/v1/completions` with `suffix` uses the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from .api_server import deltas, sse_data
+from .frontend import Delta, Frontend, ServiceUnavailable
+from .http_errors import APIError, error_body, unless_gone
+from .protocol import _Sampling
+from .tokenizer_service import TokenizeFailed
+
+MAX_EXTRA = 256  # other files in one request
+DEFAULT_N_PREDICT = 256  # the context a request without n_predict leaves for its answer
+
+
+class ExtraFile(BaseModel):
+    filename: str = "file"
+    text: str = ""
+
+
+class InfillRequest(_Sampling):
+    """llama.cpp's /infill body; its other fields (n_indent, samplers, cache_prompt, t_max_*,
+    response_fields, id_slot, ...) are accepted and ignored. Sampling defaults are llama.cpp's."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = Field(default_factory=list, max_length=MAX_EXTRA)
+    prompt: str = ""  # appended to the prefix: the text typed since input_prefix was taken
+    filename: str | None = None  # hetserve: the current file's path, in the repository layout
+    n_predict: int = -1  # -1: up to the context
+    temperature: float | None = 0.8
+    top_k: int | None = 40
+    top_p: float | None = 0.95
+    min_p: float | None = 0.05
+
+
+async def fim_prompt(request: Request, fe: Frontend, prefix: str, suffix: str, extra: list[dict],
+                     filename: str | None, max_tokens: int | None) -> tuple[list[int], bool]:
+    """(ids, truncated) of a fill-in-the-middle prompt, or a 400 (a model without FIM tokens)."""
+    try:
+        (ids, truncated), = await unless_gone(request, fe.encode_infill(
+            prefix, suffix, extra, filename, DEFAULT_N_PREDICT if max_tokens is None else max_tokens))
+    except (TokenizeFailed, ValueError) as e:
+        raise APIError(400, str(e), "input_prefix") from None
+    return ids, truncated
+
+
+def fim_stops(fe: Frontend) -> set[int]:
+    return fe.tokenizer.fim.stops if fe.tokenizer.fim else set()
+
+
+def add_infill_routes(app: FastAPI, fe: Frontend) -> None:
+    @app.post("/infill")
+    async def infill(body: InfillRequest, request: Request):
+        if body.model is not None and body.model != fe.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {fe.model_name!r}",
+                           "model", "model_not_found")
+        max_tokens = None if body.n_predict < 0 else body.n_predict
+        ids, truncated = await fim_prompt(request, fe, body.input_prefix + body.prompt, body.input_suffix,
+                                          [x.model_dump() for x in body.input_extra], body.filename, max_tokens)
+        try:
+            fe.check_capacity()
+            params = body.sampling_params(max_tokens, None, 0, body.constraint())
+            params.stop_token_ids = sorted(set(params.stop_token_ids) | fim_stops(fe))
+            params.max_tokens = fe.check_length(len(ids), params.max_tokens)
+        except ServiceUnavailable as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        t0 = time.perf_counter()
+        clock = {"first": None}
+
+        def summary(text: str, n: int, last: Delta) -> dict:
+            end = time.perf_counter()
+            first = clock["first"] or end
+            prompt_n = len(ids) - last.num_cached_tokens
+            prompt_ms, predicted_ms = 1e3 * (first - t0), 1e3 * (end - first)
+            return {
+                "index": 0, "content": text, "tokens": [], "stop": True, "model": fe.model_name,
+                "tokens_predicted": n, "tokens_evaluated": len(ids), "tokens_cached": last.num_cached_tokens,
+                "truncated": truncated, "has_new_line": "\n" in text,
+                "stop_type": "limit" if last.finish_reason == "length" else "eos", "stopping_word": "",
+                "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                            "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
+                            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else None,
+                            "predicted_n": n, "predicted_ms": predicted_ms,
+                            "predicted_per_token_ms": predicted_ms / max(n, 1),
+                            "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else None},
+            }
+
+        def run() -> AsyncIterator[Delta]:
+            return deltas(fe, ids, params, cache_salt=body.cache_salt, worker=body.worker)
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                parts, n, last = [], 0, None
+                gen = run()
+                try:
+                    async for d in gen:
+                        clock["first"] = clock["first"] or time.perf_counter()
+                        n, last = n + len(d.token_ids), d
+                        parts.append(d.text)
+                        if d.text and not d.finished:
+                            yield sse_data({"index": 0, "content": d.text, "tokens": d.token_ids, "stop": False,
+                                            "tokens_predicted": n, "tokens_evaluated": len(ids)})
+                            await asyncio.sleep(0)  # a client that left is seen before the next write
+                except APIError as e:  # the headers are sent: the failure is the stream's last event
+                    yield sse_data(error_body(e.status, e.message))
+                    return
+                finally:
+                    await gen.aclose()
+                final = summary("".join(parts), n, last)
+                final["content"] = last.text  # the last delta's text, with the summary
+                yield sse_data(final)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect() -> tuple[str, int, Delta]:
+            parts, n, last = [], 0, None
+            async for d in run():
+                clock["first"] = clock["first"] or time.perf_counter()
+                parts.append(d.text)
+                n, last = n + len(d.token_ids), d
+            return "".join(parts), n, last
+
+        (text, n, last), = await unless_gone(request, collect())
+        return summary(text, n, last)
