@@ -12,7 +12,7 @@ import pytest
 from test_server import Server
 
 from hetserve import LLM, SamplingParams
-from hetserve.serving.api_server import sse_data
+from hetserve.serving.streaming import sse_data
 
 FP32 = {"weight_format": "fp32", "prefill_format": "fp32", "kv_cache_memory": "8MiB"}  # one numeric path
 

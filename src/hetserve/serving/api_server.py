@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 import uuid
@@ -22,9 +20,10 @@ from ..sampling_params import SamplingParams
 from ..structured import StructuredOutputError
 from . import tool_calls
 from .dashboard import dashboard
-from .frontend import Delta, Frontend, RequestFailed, ServiceUnavailable
+from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import RETRY_AFTER_S, APIError, ClientGone, error_body, error_response, unless_gone
 from .http_guard import HttpLimits
+from .infill import add_infill_routes, fim_prompt, fim_stops
 from .protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -32,32 +31,11 @@ from .protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .responses import add_responses_routes
+from .streaming import deltas, sse_data
 from .tokenizer_service import TokenizeFailed
 
 log = logging.getLogger("hetserve.api")
-
-# Characters JSON leaves unescaped but line splitters that follow str.splitlines (httpx's
-# aiter_lines among them) break lines at: escaped, so an SSE event is always one line.
-_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
-def sse_data(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
-
-
-async def deltas(fe: Frontend, ids: list[int], params: SamplingParams, **route) -> AsyncIterator[Delta]:
-    """One request's deltas for a route: a failure is an APIError (503 for a worker or the server
-    unavailable, 400 for what the request asked), and a consumer that stops (a cancel, a client
-    gone) aborts the request now, not when the generator is collected."""
-    try:
-        async with contextlib.aclosing(fe.generate(ids, params, **route)) as gen:
-            async for d in gen:
-                yield d
-    except (ServiceUnavailable, RequestFailed) as e:
-        raise APIError(503, str(e)) from None
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
 
 WEB_DIR = Path(__file__).parent / "web"  # the page at / (no API key: it holds no data; its calls need one)
 
@@ -78,10 +56,6 @@ class _Job:
 
 def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: int = 4 << 20,
               lifespan=None, http_limits: HttpLimits | None = None) -> FastAPI:
-    # Here, not at the top: these adapters import this module.
-    from .infill import add_infill_routes, fim_prompt, fim_stops
-    from .responses import add_responses_routes
-
     app = FastAPI(title="hetserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     fe = frontend
 

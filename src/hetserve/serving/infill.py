@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from .api_server import deltas, sse_data
 from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import APIError, error_body, unless_gone
 from .protocol import _Sampling
+from .streaming import deltas, sse_data
 from .tokenizer_service import TokenizeFailed
 
 MAX_EXTRA = 256  # other files in one request

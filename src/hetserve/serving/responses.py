@@ -22,10 +22,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
-from .api_server import deltas, sse_data
 from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import APIError, unless_gone
 from .protocol import MAX_MESSAGES, _Body
+from .streaming import deltas, sse_data
 
 _TEXT_PARTS = ("input_text", "output_text")
 
