@@ -145,6 +145,20 @@ def test_a_tool_call_round_trip(client, choice):
     assert final.choices[0].message.content and final.choices[0].message.tool_calls in (None, [])
 
 
+def test_calls_cut_by_max_tokens_keep_the_complete_ones(client):
+    """`required` with parallel calls: the 0.5B opens call after call until max_tokens. The
+    complete calls come back, the cut one is dropped (not content), finish_reason is length."""
+    kw = dict(model=model_id(client), tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=48,
+              messages=[{"role": "user", "content": "Weather in Tokyo, London, Paris, Rome and Oslo?"}])
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and msg.tool_calls and not msg.content, msg
+    whole = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+    content, calls, finish = _streamed(client, **kw)
+    assert finish == "length" and not content.strip()
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == whole
+
+
 def test_auto_may_answer_in_text_or_call(client):
     r = client.chat.completions.create(model=model_id(client), tools=[WEATHER], temperature=0, max_tokens=40,
                                        messages=[{"role": "user", "content": "Say hello in French."}])

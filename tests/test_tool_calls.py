@@ -26,7 +26,10 @@ CASES = [
     ('{"city": "Oslo"}', '{"city": "Oslo"}', []),  # JSON, but no call of a known tool
     ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', '<tool_call>{"name": "launch", "arguments": {}}'
      '</tool_call>', []),  # an unknown tool stays text
-    ("<tool_call>\n{broken", "<tool_call>\n{broken", []),
+    # Cut by max_tokens inside a call: the complete calls stay, the cut one is dropped.
+    ("<tool_call>\n{broken", None, []),
+    (CALL + "\n" + CALL.replace("Oslo", "Rome")[:40], None, [("get_weather", {"city": "Oslo"})]),
+    ("Checking. " + CALL[:30], "Checking.", []),
 ]
 
 

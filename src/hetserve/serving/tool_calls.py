@@ -157,9 +157,11 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole answer."""
-    calls, kept, pos = [], [], 0
+    """(content, tool_calls) of a whole answer. A call left open at the end (the answer was cut
+    by max_tokens; the grammar lets nothing else end inside one) is neither: it is dropped."""
+    calls, kept, pos, end = [], [], 0, 0
     for m in _TAGGED.finditer(text):
+        end = m.end()
         try:
             call = _call(json.loads(m.group(1)), tools)
         except ValueError:
@@ -169,11 +171,16 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
         kept.append(text[pos:m.start()])
         pos = m.end()
         calls.append(call)
+    cut = text.find(OPEN, end)
+    if cut >= 0:
+        text = text[:cut]
     if calls:
         content = ("".join(kept) + text[pos:]).strip()
         return content or None, calls
     calls = _lenient(text, tools)
-    return (None, calls) if calls else (text, [])
+    if calls:
+        return None, calls
+    return (text, []) if cut < 0 else (text.strip() or None, [])
 
 
 class ToolStream:
@@ -223,8 +230,7 @@ class ToolStream:
             self.buffer = self.buffer[len(self.buffer) - keep:]
             break
         if final:
-            if self.in_call:  # an unclosed call stays text
-                content.append(OPEN + self.buffer)
+            if self.in_call:  # a call cut by max_tokens: dropped, as parse() drops it
                 self.buffer, self.in_call = "", False
             text_out = "".join(content)
             if not self.said_anything and not self.num_calls and not calls:
