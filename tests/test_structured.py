@@ -5,6 +5,7 @@ target alone; lossless sampling exact for the masked distribution, chi-square bo
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 
@@ -19,6 +20,7 @@ from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
 from hetserve.layers.attention import AttentionMetadata
 from hetserve.structured import StructuredOutputError, StructuredOutputs
+from hetserve.structured.params import bounded_integers
 
 PROMPTS = [[5, 17, 300, 42], [99, 7, 1, 2, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19], [60], list(range(30, 70))]
 CONSTRAINTS = [
@@ -52,6 +54,34 @@ def test_every_output_matches_its_grammar(llm, spec, pattern, temperature):
         assert re.fullmatch(pattern, o.text), o.text
         assert o.finish_reason == "stop"
     assert_pages_back(llm)
+
+
+def test_an_integer_the_schema_leaves_unbounded_still_ends(llm):
+    """Biased toward digits, as a model stuck in one number is, every output still closes its
+    object: the integer is held to what JSON parsers keep exactly (2**53 - 1)."""
+    spec = StructuredOutputs.json_schema({"type": "object", "properties": {"stars": {"type": "integer", "minimum": 0}},
+                                          "required": ["stars"], "additionalProperties": False})
+    tok = llm.tokenizer
+    digits = {i: 50.0 for i in range(tok.vocab_size) if tok.decode([i]).isdigit()}
+    outs = llm.generate(PROMPTS, [constrained(spec, temperature=1.0, seed=i, max_tokens=64, logit_bias=digits)
+                                  for i in range(len(PROMPTS))], use_tqdm=False)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        stars = json.loads(o.text)["stars"]
+        assert 10**14 <= stars <= 2**53 - 1, o.text  # pushed to the bound's digits, and no further
+    assert_pages_back(llm)
+
+
+def test_integer_bounds_apply_only_where_the_schema_sets_none():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer", "maximum": 10**20}, "c": {"type": ["integer", "null"]},
+        "d": {"type": "integer", "exclusiveMinimum": 0}, "e": {"const": {"type": "integer"}}, "f": {"type": "number"}}}
+    props = bounded_integers(schema)["properties"]
+    assert props["a"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+    assert props["b"] == {"type": "integer", "maximum": 10**20, "minimum": -(2**53 - 1)}
+    assert props["c"]["maximum"] == 2**53 - 1 and "minimum" not in props["d"]
+    assert props["e"] == {"const": {"type": "integer"}} and props["f"] == {"type": "number"}
+    assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not changed
 
 
 def test_constrained_and_unconstrained_in_one_batch_do_not_disturb_each_other(llm):

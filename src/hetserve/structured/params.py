@@ -51,6 +51,29 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
+# An integer the schema leaves unbounded is held to the range every JSON parser keeps exactly
+# (RFC 7493's I-JSON: a double's integers), so that its digits end: a model can otherwise write
+# "5000000000000000000000..." until max_tokens inside one number.
+JSON_INT_MAX = 2**53 - 1
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not subschemas
+
+
+def bounded_integers(node):
+    """The schema with each unbounded side of an integer held to +-JSON_INT_MAX."""
+    if isinstance(node, list):
+        return [bounded_integers(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _NOT_SCHEMAS else bounded_integers(v) for k, v in node.items()}
+    t = node.get("type")
+    if t == "integer" or (isinstance(t, list) and "integer" in t and "number" not in t):
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -JSON_INT_MAX
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = JSON_INT_MAX
+    return out
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     kind: str
@@ -99,8 +122,8 @@ class StructuredOutputs:
                 # Compact separators, no free whitespace: a model cannot pad its output with
                 # endless newlines, and outputs are what json.dumps(separators) would write.
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    self.value, defaults={"whitespace_flexible": False, "item_separator": ", ",
-                                          "key_separator": ": "})
+                    bounded_integers(json.loads(self.value)),
+                    defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
             fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar", "lark": "lark"}[self.kind]
             return llguidance.grammar_from(fmt, self.value)
         except Exception as e:  # the GBNF converter and the JSON front end raise their own kinds
