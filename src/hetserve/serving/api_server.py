@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..sampling_params import SamplingParams
 from ..structured import StructuredOutputError
 from . import tool_calls
+from .anthropic import add_anthropic_routes
 from .dashboard import dashboard
 from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import RETRY_AFTER_S, APIError, ClientGone, error_body, error_response, unless_gone
@@ -60,21 +61,21 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
     fe = frontend
 
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, e: RequestValidationError):
+    async def _validation(request: Request, e: RequestValidationError):
         # OpenAI and vLLM answer a malformed body with 400 (the openai client's BadRequestError),
         # not pydantic's 422.
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-        return error_response(400, f"invalid request: {where or 'body'}: {msg}", where)
+        return error_response(400, f"invalid request: {where or 'body'}: {msg}", where, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
+    async def _http(request: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), path=request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, _):
@@ -82,9 +83,9 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
+    async def _internal(request: Request, e: Exception):
         log.exception("internal error")
-        return error_response(500, "internal server error")
+        return error_response(500, "internal server error", path=request.url.path)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != fe.model_name:
@@ -474,5 +475,6 @@ def build_app(frontend: Frontend, api_key: str | None = None, max_body_bytes: in
 
     add_responses_routes(app, fe)
     add_infill_routes(app, fe)
+    add_anthropic_routes(app, fe)
     (http_limits or HttpLimits()).install(app, api_key, max_body_bytes)  # auth, body cap, CORS, origins
     return app

@@ -65,6 +65,7 @@ class Delta:
     worker: str = ""  # the worker that produced it (the decode worker of a split request)
     prefill_worker: str | None = None  # disaggregated: the worker that ran the prefill
     spec: dict[str, float] | None = None  # with the last delta of a speculating request: proposed, accepted
+    stopped_by: str | None = None  # with the last delta: the stop string that ended it, if one did
 
 
 @dataclass
@@ -486,7 +487,8 @@ class Frontend:
             num_output_tokens=st.num_output_tokens, num_cached_tokens=u.num_cached_tokens,
             prompt_logprobs=None if u.prompt_logprobs is None else
             [{int(t): float(lp) for t, lp in entry} or None for entry in u.prompt_logprobs],
-            worker=w.name, prefill_worker=st.prefill_worker, spec=u.spec))
+            worker=w.name, prefill_worker=st.prefill_worker, spec=u.spec,
+            stopped_by=st.state.stopped_by if finished else None))
 
     async def _relay(self, msg: ipc.KVTransfer, raw: bytes) -> None:
         """Forward a prefill worker's KV to the request's decode worker (the same bytes)."""

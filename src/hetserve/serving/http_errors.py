@@ -1,6 +1,6 @@
-"""OpenAI-shaped errors of the HTTP server (their JSON bodies, status types and Retry-After) and
-the end of a request whose client left: shared by the routes (api_server.py, responses.py) and
-the HTTP hardening below them (http_guard.py)."""
+"""Errors of the HTTP server in the shape of the API called (OpenAI's, or Anthropic's on its
+routes): their JSON bodies, status types and Retry-After; and the end of a request whose client
+left. Shared by the routes and the HTTP hardening below them (http_guard.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,24 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+# Anthropic's error types by status (its Messages API's envelope: {"type": "error", "error": {type, message}})
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)  # the routes that answer in Anthropic's shape
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error in the shape of the API that was called (`path`): Anthropic's, else OpenAI's."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    body = anthropic_error_body(status, message) if path.startswith(ANTHROPIC_PATHS) else \
+        error_body(status, message, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ClientGone(Exception):

@@ -119,12 +119,17 @@ class LimitsAndAuth:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key and not _public(scope["path"]):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await error_response(401, "missing or invalid API key (Authorization: Bearer ...)")(
-                    scope, receive, send)
-        too_large = error_response(413, f"request body over {self.max_body} bytes")
+        path = scope["path"]
+        if self.api_key and not _public(path):
+            # Bearer, or x-api-key (the Anthropic clients' header): either one, compared in constant time.
+            bearer = headers.get(b"authorization", b"").decode("latin-1")
+            key = headers.get(b"x-api-key", b"").decode("latin-1")
+            ok = hmac.compare_digest(bearer.encode(), f"Bearer {self.api_key}".encode())
+            ok |= hmac.compare_digest(key.encode(), self.api_key.encode())
+            if not ok:
+                return await error_response(401, "missing or invalid API key (Authorization: Bearer ... or "
+                                                 "x-api-key)", path=path)(scope, receive, send)
+        too_large = error_response(413, f"request body over {self.max_body} bytes", path=path)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await too_large(scope, receive, send)  # before reading any of it
