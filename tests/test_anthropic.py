@@ -113,6 +113,18 @@ def test_any_and_tool_are_enforced(client, choice):
     assert follow.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in follow.content)
 
 
+def test_claude_codes_request_shape(client):
+    """As Claude Code 2.1 sends a turn: a system turn among the messages, system blocks with
+    cache_control, adaptive thinking, output_config, context_management."""
+    m = create(client, system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+               messages=[{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                                      {"type": "text", "text": "What is 2 + 2?"}]},
+                         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}],
+               tools=[WEATHER], extra_body={"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+                                            "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})
+    assert m.type == "message" and m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
 def test_server_tools_and_unknown_fields_are_ignored(client):
     m = create(client, tools=[WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
                metadata={"user_id": "u"}, extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024},

@@ -83,8 +83,8 @@ def chat_messages(system: Any, messages: list[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         at = f"messages[{i}]"
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-        if role not in ("user", "assistant"):
-            raise APIError(400, f"{at}.role must be user or assistant", at)
+        if role not in ("user", "assistant", "system"):  # Claude Code sends system turns among them
+            raise APIError(400, f"{at}.role must be user, assistant or system", at)
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise APIError(400, f"{at}.content must be a string or a list of content blocks", at)
