@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -145,11 +146,12 @@ def test_get_delete_and_store_false(client, model):
 
 
 def test_refused(server, client, model):
-    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
-    bad = [dict(tools=[tool]), dict(tool_choice="required"), dict(reasoning={"effort": "low"}),
+    bad = [dict(tool_choice="required"), dict(tools=[{"type": "function", "name": "bad name"}]),
+           dict(tools=[{"type": "web_search"}], tool_choice={"type": "function", "name": "f"}),
            dict(text={"format": {"type": "json_object"}}),
            dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
-           dict(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]),
+           dict(input=[{"type": "computer_call", "call_id": "c"}]),
+           dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]),  # no arguments
            dict(max_output_tokens=0), dict(input=[])]
     for extra in bad:
         with pytest.raises(openai.BadRequestError):
@@ -270,3 +272,40 @@ def test_worker_death_mid_stream_fails_the_response(tiny_qwen2):
         assert last.response.error.code == "server_error"
     finally:
         s.stop()
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+HOSTED = [{"type": "web_search"}, {"type": "namespace", "name": "mcp", "tools": []}]  # Codex sends these
+
+
+def test_function_tools_streamed_and_not_and_a_round_trip(client, model):
+    kw = dict(model=model, input=[{"role": "developer", "content": "Use tools."},
+                                  {"role": "user", "content": "Weather in Oslo?"}],
+              tools=[WEATHER, *HOSTED], tool_choice="required", parallel_tool_calls=False, max_output_tokens=80,
+              temperature=0, reasoning={"effort": "low"}, extra_body=cold())
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    assert calls[0].call_id.startswith("call_") and isinstance(json.loads(calls[0].arguments)["city"], str)
+    assert r.tools and r.tool_choice == "required"
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    i = kinds.index("response.function_call_arguments.delta")
+    assert kinds[i - 1:i + 3] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                  "response.function_call_arguments.done", "response.output_item.done"]
+    done = events[-1].response
+    assert [(o.type, o.name, o.arguments) for o in done.output] == [("function_call", calls[0].name,
+                                                                     calls[0].arguments)]
+    # The call and its output go back as input items; a stored response continues with them too
+    follow = client.responses.create(model=model, max_output_tokens=6, temperature=0, tools=[WEATHER], input=[
+        *kw["input"], {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+                       "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C"},
+        {"type": "reasoning", "id": "rs_1", "summary": []}], tool_choice="none")
+    assert follow.output[0].type == "message"
+    stored = client.responses.create(model=model, previous_response_id=r.id, max_output_tokens=4, input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C"}])
+    assert stored.status in ("completed", "incomplete")

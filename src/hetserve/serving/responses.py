@@ -1,9 +1,12 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), text only.
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`): text and
+function tools, as Codex CLI uses it.
 
-A response is one assistant message generated from the chat-templated conversation: the new
+A response is one assistant turn generated from the chat-templated conversation: the new
 `instructions` (a leading system message), the stored conversation of `previous_response_id`
-(its input and output; not its instructions, as OpenAI does) and the new `input`. Responses
-are kept in a bounded in-memory store so that later requests can continue them.
+(its input and output; not its instructions, as OpenAI does) and the new `input` items. Function
+tools go through the chat completions' tool grammar and parser (tool_calls.py); the turn's text
+is a message item and each call a function_call item. Responses are kept in a bounded in-memory
+store so that later requests can continue them.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
+from . import tool_calls
 from .frontend import Delta, Frontend, ServiceUnavailable
 from .http_errors import APIError, unless_gone
 from .protocol import MAX_MESSAGES, _Body
@@ -30,38 +34,82 @@ from .streaming import deltas, sse_data
 _TEXT_PARTS = ("input_text", "output_text")
 
 
-class InputMessage(BaseModel):
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str  # the text of its parts, joined
-
-
-def _message(item: Any, at: str) -> dict:
-    """One input item as a chat message {role, content: str}; ValueError (-> 400) for what is not text."""
-    if not isinstance(item, dict):
-        raise ValueError(f"{at}: an input item must be an object")
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise ValueError(f"{at}: input items of type {kind!r} are not supported yet (messages only; no tool calls)")
-    content = item.get("content")
+def _text(content: Any, at: str) -> str:
+    """A string, or text parts joined; ValueError (-> 400) for what is not text."""
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             t = part.get("type") if isinstance(part, dict) else None
             if t not in _TEXT_PARTS:
-                raise ValueError(f"{at}.content[{j}]: content parts of type {t!r} are not supported "
+                raise ValueError(f"{at}[{j}]: content parts of type {t!r} are not supported "
                                  f"(text input only: {', '.join(_TEXT_PARTS)})")
             if not isinstance(part.get("text"), str):
-                raise ValueError(f"{at}.content[{j}]: a text part needs a string text")
+                raise ValueError(f"{at}[{j}]: a text part needs a string text")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise ValueError(f"{at}.content: must be a string or a list of text parts")
-    return {"role": item.get("role"), "content": content}
+        raise ValueError(f"{at}: must be a string or a list of text parts")
+    return content
+
+
+def _items(items: list, at: str = "input") -> list[dict]:
+    """Input items as the chat the template renders: messages (`developer` as system), a model's
+    `function_call`s as an assistant turn's tool calls, `function_call_output`s as tool messages;
+    `reasoning` items are skipped (no reasoning is kept). ValueError (-> 400) for the rest."""
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"{at}[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: an input item must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"{where}.role must be user, system, developer or assistant")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content"), where + ".content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise ValueError(f"{where}: a function_call needs string call_id, name and arguments")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant":  # one turn: its text and its calls
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ValueError(f"{where}: a function_call_output needs a string call_id")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _text(item.get("output", ""), where + ".output")})
+        elif kind != "reasoning":
+            raise ValueError(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output, reasoning)")
+    return out
+
+
+def _tools(tools: list | None, tool_choice: Any, parallel: bool) -> tool_calls.Tools | None:
+    """Function tools through the chat completions' tool machinery; tools a local server cannot
+    run (web_search, file_search, namespace, local_shell, ...) are left out of the prompt."""
+    fns = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description") or "",
+                                             "parameters": t.get("parameters") or {"type": "object"}}}
+           for t in tools or [] if isinstance(t, dict) and t.get("type") == "function"]
+    if isinstance(tool_choice, dict):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}} \
+            if tool_choice.get("type") == "function" else "auto"  # a hosted tool's choice: none of ours
+    if not fns:
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            raise ValueError("tool_choice asks for a function call, but no function tool is given")
+        return None
+    try:
+        return tool_calls.Tools.parse(fns, tool_choice, parallel)
+    except tool_calls.ToolError as e:
+        raise ValueError(str(e)) from None
 
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: list[InputMessage]
+    input: list[dict[str, Any]]  # chat messages, from the input items (_items)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -76,24 +124,20 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     parallel_tool_calls: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        # Refused rather than ignored, so a client never believes it got a tool call, JSON or
-        # reasoning it did not.
+        # Refused rather than ignored, so a client never believes it got JSON it did not.
+        # `reasoning` is accepted and ignored (no reasoning is produced), as llama.cpp does.
         if isinstance(data, dict):
-            if data.get("tools"):
-                raise ValueError("tools is not supported yet (no tool calling); the request was not run")
-            if data.get("tool_choice") not in (None, "none"):
-                raise ValueError("tool_choice is not supported yet (no tool calling); the request was not run")
             text = data.get("text")
             fmt = text.get("format") if isinstance(text, dict) else None
             if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
                 raise ValueError("text.format other than {\"type\": \"text\"} is not supported yet (no structured "
                                  "outputs); the request was not run")
-            if data.get("reasoning"):
-                raise ValueError("reasoning is not supported yet; the request was not run")
             if data.get("background"):
                 raise ValueError("background is not supported yet; the request was not run")
         return data
@@ -106,7 +150,7 @@ class ResponsesRequest(_Body):
         if isinstance(v, list):
             if len(v) > MAX_MESSAGES:  # before any per-item work
                 raise ValueError(f"at most {MAX_MESSAGES} input items")
-            return [_message(item, f"input[{i}]") for i, item in enumerate(v)]
+            return _items(v)
         return v
 
 
@@ -136,7 +180,7 @@ class ResponseStore:
         return rid in self._items
 
     def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(response, ensure_ascii=False)) + sum(len(m["content"]) + 16 for m in conversation)
+        size = len(json.dumps(response, ensure_ascii=False)) + sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) + 16 for m in conversation)
         self.delete(response["id"])
         if size > self.max_chars:
             return
@@ -184,13 +228,18 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             if prev is None:
                 raise not_found(body.previous_response_id, "previous_response_id")
             history = prev.conversation
-        conversation = history + [m.model_dump() for m in body.input]
+        conversation = history + body.input
         msgs = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) \
             + conversation
         if not msgs:
             raise APIError(400, "input must not be empty", "input")
+        try:
+            tools = _tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, str(e), "tools") from None
         try:  # the helper the chat route renders with (off the event loop, with a time budget)
-            ids, = await unless_gone(request, fe.encode_chat(msgs, add_generation_prompt=True))
+            ids, = await unless_gone(request, fe.encode_chat(tool_calls.history_messages(msgs), add_generation_prompt=True,
+                                                             tools=tools.template_tools if tools else None))
         except ValueError as e:  # the template's or tokenizer's refusal (TokenizeFailed is one)
             raise APIError(400, str(e), "input") from None
         try:
@@ -198,7 +247,8 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             params = SamplingParams(max_tokens=body.max_output_tokens,
                                     temperature=1.0 if body.temperature is None else body.temperature,
                                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                                    seed=body.seed, ignore_eos=body.ignore_eos)
+                                    seed=body.seed, ignore_eos=body.ignore_eos,
+                                    structured=tools.constraint(fe.tokenizer) if tools else None)
             params.max_tokens = fe.check_length(len(ids), params.max_tokens)
         except ServiceUnavailable as e:
             raise APIError(503, str(e)) from None
@@ -207,13 +257,11 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
 
         rid, mid, created = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex, int(time.time())
 
-        def response(status: str, text: str | None = None, last: Delta | None = None, out_tokens: int = 0,
+        def response(status: str, output: list | None = None, last: Delta | None = None, out_tokens: int = 0,
                      error: dict | None = None) -> dict:
-            output, usage, incomplete = [], None, None
+            usage, incomplete = None, None
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
-            if text is not None:
-                output = [message(text, "completed" if status == "completed" else "incomplete")]
             if last is not None:
                 usage = {"input_tokens": len(ids),
                          "input_tokens_details": {"cached_tokens": last.num_cached_tokens, "cache_write_tokens": 0},
@@ -221,10 +269,11 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
                          "total_tokens": len(ids) + out_tokens}
             return {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
                     "incomplete_details": incomplete, "instructions": body.instructions,
-                    "max_output_tokens": body.max_output_tokens, "model": fe.model_name, "output": output,
+                    "max_output_tokens": body.max_output_tokens, "model": fe.model_name, "output": output or [],
                     "parallel_tool_calls": body.parallel_tool_calls,
                     "previous_response_id": body.previous_response_id,
-                    "temperature": params.temperature, "top_p": params.top_p, "tool_choice": "auto", "tools": [],
+                    "temperature": params.temperature, "top_p": params.top_p,
+                    "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
                     "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": usage,
                     "user": body.user, "metadata": body.metadata or {}, "store": body.store}
 
@@ -232,11 +281,23 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
             return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
 
-        def finish(text: str, last: Delta, out_tokens: int) -> dict:
+        def function_call(call: dict) -> dict:
+            return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                    "status": "completed"}
+
+        def finish(text: str | None, calls: list[dict], last: Delta, out_tokens: int, message_at: int | None = 0) -> dict:
+            """message_at: the message's place among the output items (None: no message, only calls)."""
             status = "incomplete" if last.finish_reason == "length" else "completed"
-            done = response(status, text, last, out_tokens)
+            output = [function_call(c) for c in calls]
+            if message_at is not None and (text or not calls):
+                output.insert(message_at, message(text, status))
+            done = response(status, output, last, out_tokens)
             if body.store:
-                store.put(done, conversation + [{"role": "assistant", "content": text}])
+                turn = {"role": "assistant", "content": text or ""}
+                if calls:
+                    turn["tool_calls"] = calls
+                store.put(done, conversation + [turn])
             return done
 
         def run() -> AsyncIterator[Delta]:
@@ -247,31 +308,60 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
             yield _sse(seq, "response.created", response=response("in_progress"))
             yield _sse(seq, "response.in_progress", response=response("in_progress"))
-            yield _sse(seq, "response.output_item.added", output_index=0, item=message(None, "in_progress"))
-            yield _sse(seq, "response.content_part.added", **where,
-                       part={"type": "output_text", "text": "", "annotations": []})
+            calls: list[dict] = []
+            opened = False  # the message item is announced with its first text (at once without tools)
+
+            def open_message() -> list[str]:
+                where["output_index"] = len(calls)  # after the calls already announced
+                return [_sse(seq, "response.output_item.added", output_index=where["output_index"],
+                             item=message(None, "in_progress")),
+                        _sse(seq, "response.content_part.added", **where,
+                             part={"type": "output_text", "text": "", "annotations": []})]
+
+            if tools is None:
+                opened = True
+                for e in open_message():
+                    yield e
+            split = tool_calls.ToolStream(tools) if tools is not None else None
             parts, n, last = [], 0, None
-            deltas = run()
+            gen = run()
             try:
-                async for d in deltas:
+                async for d in gen:
                     n += len(d.token_ids)
                     last = d
-                    if d.text:
-                        parts.append(d.text)
-                        yield _sse(seq, "response.output_text.delta", **where, delta=d.text, logprobs=[])
+                    text, new_calls = split.feed(d.text, final=d.finished) if split else (d.text, [])
+                    if text:
+                        if not opened:
+                            opened = True
+                            for e in open_message():
+                                yield e
+                        parts.append(text)
+                        yield _sse(seq, "response.output_text.delta", **where, delta=text, logprobs=[])
+                    for call in new_calls:  # each whole call is one output item
+                        item = function_call(call)
+                        index = len(calls) + int(opened)
+                        calls.append(call)
+                        yield _sse(seq, "response.output_item.added", output_index=index,
+                                   item={**item, "arguments": "", "status": "in_progress"})
+                        yield _sse(seq, "response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=index, delta=item["arguments"])
+                        yield _sse(seq, "response.function_call_arguments.done", item_id=item["id"],
+                                   output_index=index, arguments=item["arguments"])
+                        yield _sse(seq, "response.output_item.done", output_index=index, item=item)
                     await asyncio.sleep(0)  # a client that left is seen before the next write (see api_server)
             except APIError as e:  # the headers are sent: the failure becomes the stream's last event
                 yield _sse(seq, "response.failed",
                            response=response("failed", error={"code": "server_error", "message": e.message}))
                 return
             finally:
-                await deltas.aclose()  # a client gone mid-stream (Starlette closes this generator) stops the work
+                await gen.aclose()  # a client gone mid-stream (Starlette closes this generator) stops the work
             text = "".join(parts)
-            done = finish(text, last, n)
-            item = done["output"][0]
-            yield _sse(seq, "response.output_text.done", **where, text=text, logprobs=[])
-            yield _sse(seq, "response.content_part.done", **where, part=item["content"][0])
-            yield _sse(seq, "response.output_item.done", output_index=0, item=item)
+            done = finish(text if opened else None, calls, last, n, where["output_index"] if opened else None)
+            if opened:
+                item = done["output"][where["output_index"]]
+                yield _sse(seq, "response.output_text.done", **where, text=text, logprobs=[])
+                yield _sse(seq, "response.content_part.done", **where, part=item["content"][0])
+                yield _sse(seq, "response.output_item.done", output_index=where["output_index"], item=item)
             yield _sse(seq, "response." + done["status"], response=done)  # response.completed or .incomplete
 
         if body.stream:
@@ -286,7 +376,10 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             return "".join(parts), last, n
 
         (text, last, n), = await unless_gone(request, collect())
-        return finish(text, last, n)
+        calls = []
+        if tools is not None:
+            text, calls = tool_calls.parse(text, tools)
+        return finish(text, calls, last, n)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
