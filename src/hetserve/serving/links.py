@@ -28,13 +28,20 @@ class LocalLink:
     def __init__(self, ctx: zmq.asyncio.Context, spec: dict):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # no cap: a send to a live worker is never refused
         self.socket.bind(spec["to_worker"])
         self.proc = subprocess.Popen([sys.executable, "-m", "hetserve.serving.worker",
                                       json.dumps({**spec, "parent_pid": os.getpid()})])
         self.node = "local"
 
     async def send(self, raw: bytes) -> None:
-        await self.socket.send(raw)
+        """Never waits. A frame no process can take (the worker died, its socket is closed for a
+        restart) is dropped: a waiting send would hang its request (and fail once the socket
+        closes), while the monitor ends a dead worker's requests with the reason."""
+        try:
+            await self.socket.send(raw, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("a frame for a worker that is gone was dropped (%s)", e)
 
     def exit_reason(self) -> str | None:
         """Why the worker is gone, or None while it runs."""
