@@ -20,7 +20,7 @@ from hetserve import LLM, SamplingParams
 from hetserve.core.request import Request
 from hetserve.layers.attention import AttentionMetadata
 from hetserve.structured import StructuredOutputError, StructuredOutputs
-from hetserve.structured.params import bounded_integers
+from hetserve.structured.params import NUMBER_FRACTION_DIGITS, bounded_numbers
 
 PROMPTS = [[5, 17, 300, 42], [99, 7, 1, 2, 3, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19], [60], list(range(30, 70))]
 CONSTRAINTS = [
@@ -56,32 +56,58 @@ def test_every_output_matches_its_grammar(llm, spec, pattern, temperature):
     assert_pages_back(llm)
 
 
-def test_an_integer_the_schema_leaves_unbounded_still_ends(llm):
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_a_number_the_schema_leaves_unbounded_still_ends(llm, kind):
     """Biased toward digits, as a model stuck in one number is, every output still closes its
-    object: the integer is held to what JSON parsers keep exactly (2**53 - 1)."""
-    spec = StructuredOutputs.json_schema({"type": "object", "properties": {"stars": {"type": "integer", "minimum": 0}},
+    object: an integer is held to what JSON parsers keep exactly (2**53 - 1), a number's fraction
+    to NUMBER_FRACTION_DIGITS digits and no exponent."""
+    spec = StructuredOutputs.json_schema({"type": "object", "properties": {"stars": {"type": kind, "minimum": 0}},
                                           "required": ["stars"], "additionalProperties": False})
     tok = llm.tokenizer
-    digits = {i: 50.0 for i in range(tok.vocab_size) if tok.decode([i]).isdigit()}
+    digits = {i: 50.0 for i in range(tok.vocab_size) if tok.decode([i]).strip(".").isdigit()}
     outs = llm.generate(PROMPTS, [constrained(spec, temperature=1.0, seed=i, max_tokens=64, logit_bias=digits)
                                   for i in range(len(PROMPTS))], use_tqdm=False)
     for o in outs:
         assert o.finish_reason == "stop", o.text
         stars = json.loads(o.text)["stars"]
-        assert 10**14 <= stars <= 2**53 - 1, o.text  # pushed to the bound's digits, and no further
+        assert 0 <= stars <= 2**53 - 1, o.text
+        written = re.search(r'"stars": ?([^}]*)}', o.text).group(1)
+        whole, _, fraction = written.partition(".")
+        assert whole.isdigit() and len(whole) <= 16, o.text
+        assert fraction == "" if kind == "integer" else (fraction.isdigit() or fraction == ""), o.text
+        assert len(fraction) <= NUMBER_FRACTION_DIGITS, o.text
     assert_pages_back(llm)
 
 
-def test_integer_bounds_apply_only_where_the_schema_sets_none():
+def test_number_bounds_apply_only_where_the_schema_sets_none():
     schema = {"type": "object", "properties": {
         "a": {"type": "integer"}, "b": {"type": "integer", "maximum": 10**20}, "c": {"type": ["integer", "null"]},
-        "d": {"type": "integer", "exclusiveMinimum": 0}, "e": {"const": {"type": "integer"}}, "f": {"type": "number"}}}
-    props = bounded_integers(schema)["properties"]
+        "d": {"type": "integer", "exclusiveMinimum": 0}, "e": {"const": {"type": "integer"}}, "f": {"type": "number"},
+        "g": {"type": "number", "multipleOf": 0.25, "minimum": 1}}}
+    props = bounded_numbers(schema)["properties"]
     assert props["a"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
     assert props["b"] == {"type": "integer", "maximum": 10**20, "minimum": -(2**53 - 1)}
-    assert props["c"]["maximum"] == 2**53 - 1 and "minimum" not in props["d"]
-    assert props["e"] == {"const": {"type": "integer"}} and props["f"] == {"type": "number"}
+    assert props["c"]["maximum"] == 2**53 - 1 and "minimum" not in props["d"] and "multipleOf" not in props["c"]
+    assert props["e"] == {"const": {"type": "integer"}}
+    assert props["f"] == {"type": "number", "minimum": -(2**53 - 1), "maximum": 2**53 - 1,
+                          "multipleOf": 10.0 ** -NUMBER_FRACTION_DIGITS}
+    assert props["g"] == {"type": "number", "multipleOf": 0.25, "minimum": 1, "maximum": 2**53 - 1}
     assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not changed
+
+
+def accepts(llm: LLM, spec: StructuredOutputs, text: str) -> bool:
+    """Whether the request's grammar takes text, token by token, and may end there."""
+    m = llm.engine.structured.compiler.compile(spec)
+    return all(m.consume_token(t) for t in llm.tokenizer.encode(text, add_bos=False)) and m.is_accepting()
+
+
+def test_a_bounded_number_keeps_its_fraction_digits_and_loses_its_exponent(llm):
+    """What the grammar lets through, token by token: the cap, and no more than the cap."""
+    spec = StructuredOutputs.json_schema({"type": "number"})
+    for text, allowed in [("0.5", True), ("-3.25", True), ("0." + "1" * NUMBER_FRACTION_DIGITS, True),
+                          ("0." + "1" * (NUMBER_FRACTION_DIGITS + 1), False), ("1e5", False), ("2.5E-3", False),
+                          (str(2**53 - 1), True), (str(2**53), False)]:
+        assert accepts(llm, spec, text) == allowed, text
 
 
 def test_constrained_and_unconstrained_in_one_batch_do_not_disturb_each_other(llm):

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..structured import StructuredOutputError, StructuredOutputs
-from ..structured.params import MAX_SCHEMA_DEPTH, _depth, bounded_integers
+from ..structured.params import MAX_SCHEMA_DEPTH, _depth, bounded_numbers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -88,7 +88,7 @@ class Tools:
         names = [self.choice] if self.choice not in ("auto", "required") else list(self.functions)
         lines = ["%llguidance {}"]
         for i, name in enumerate(names):
-            schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": bounded_integers(self.functions[name])},
+            schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": bounded_numbers(self.functions[name])},
                       "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _COMPACT}
             lines.append(f"fn_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
         body = f"\"\\n\" ({' | '.join(f'fn_{i}' for i in range(len(names)))}) \"\\n\" {tag(CLOSE)}"

@@ -51,26 +51,35 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
-# An integer the schema leaves unbounded is held to the range every JSON parser keeps exactly
-# (RFC 7493's I-JSON: a double's integers), so that its digits end: a model can otherwise write
-# "5000000000000000000000..." until max_tokens inside one number.
+# A number the schema leaves unbounded is held to what every JSON parser keeps (RFC 7493's
+# I-JSON), so that its digits end: a model can otherwise write "5000000000000000000000..." or
+# "0.5000000000..." until max_tokens inside one number. Each unbounded side of an integer or a
+# number is held to +-(2**53 - 1), a double's exact integers; a number without its own
+# multipleOf gets at most NUMBER_FRACTION_DIGITS digits after the point, and with its range
+# bounded, llguidance writes it without an exponent (llama.cpp's grammar caps a number at 16
+# digits each side). 10 is the most llguidance's multipleOf takes (1e-11 is not exact in a
+# double and is refused).
 JSON_INT_MAX = 2**53 - 1
+NUMBER_FRACTION_DIGITS = 10
 _NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not subschemas
 
 
-def bounded_integers(node):
-    """The schema with each unbounded side of an integer held to +-JSON_INT_MAX."""
+def bounded_numbers(node):
+    """The schema with every integer and number node bounded as above; the caller's is unchanged."""
     if isinstance(node, list):
-        return [bounded_integers(x) for x in node]
+        return [bounded_numbers(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _NOT_SCHEMAS else bounded_integers(v) for k, v in node.items()}
-    t = node.get("type")
-    if t == "integer" or (isinstance(t, list) and "integer" in t and "number" not in t):
+    out = {k: v if k in _NOT_SCHEMAS else bounded_numbers(v) for k, v in node.items()}
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types or "number" in types:
         if "minimum" not in node and "exclusiveMinimum" not in node:
             out["minimum"] = -JSON_INT_MAX
         if "maximum" not in node and "exclusiveMaximum" not in node:
             out["maximum"] = JSON_INT_MAX
+        if "number" in types and "multipleOf" not in node:
+            out["multipleOf"] = 10.0 ** -NUMBER_FRACTION_DIGITS
     return out
 
 
@@ -122,7 +131,7 @@ class StructuredOutputs:
                 # Compact separators, no free whitespace: a model cannot pad its output with
                 # endless newlines, and outputs are what json.dumps(separators) would write.
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    bounded_integers(json.loads(self.value)),
+                    bounded_numbers(json.loads(self.value)),
                     defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
             fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar", "lark": "lark"}[self.kind]
             return llguidance.grammar_from(fmt, self.value)
