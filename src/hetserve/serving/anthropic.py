@@ -16,7 +16,7 @@ llama.cpp's server does; image and document blocks get a 400.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -28,11 +28,10 @@ from pydantic import Field
 
 from ..sampling_params import SamplingParams
 from . import tool_calls
-from .frontend import Delta, Frontend, ServiceUnavailable
-from .http_errors import APIError, anthropic_error_body, unless_gone
+from .frontend import Delta, Frontend
+from .http_errors import APIError, anthropic_error_body
 from .protocol import MAX_MESSAGES, _Body
-from .streaming import deltas
-from .tokenizer_service import TokenizeFailed
+from .streaming import EngineRequest, admit, collect, encode_chat, events, tool_constraint
 
 
 class MessagesRequest(_Body):
@@ -157,14 +156,10 @@ def add_anthropic_routes(app: FastAPI, fe: Frontend) -> None:
     """The routes. Any `model` is served by this server's model (Claude Code names Anthropic's);
     the answer names the one asked for."""
     async def prompt(request: Request, system, messages, tools: tool_calls.Tools | None) -> list[int]:
-        msgs = tool_calls.history_messages(chat_messages(system, messages))
+        msgs = chat_messages(system, messages)
         if not msgs:
             raise APIError(400, "messages must not be empty", "messages")
-        try:
-            ids, = await unless_gone(request, fe.encode_chat(msgs, True, tools.template_tools if tools else None))
-        except (TokenizeFailed, ValueError) as e:
-            raise APIError(400, str(e), "messages") from None
-        return ids
+        return await encode_chat(request, fe, msgs, tools)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request):
@@ -175,19 +170,12 @@ def add_anthropic_routes(app: FastAPI, fe: Frontend) -> None:
     async def messages(body: MessagesRequest, request: Request):
         tools = parse_tools(body.tools, body.tool_choice)
         ids = await prompt(request, body.system, body.messages, tools)
-        try:
-            fe.check_capacity()
-            params = SamplingParams(
-                max_tokens=max(1, min(body.max_tokens, fe.max_model_len - len(ids))),  # clamped to what is left
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                stop=body.stop_sequences or [], ignore_eos=body.ignore_eos,
-                structured=tools.constraint(fe.tokenizer) if tools else None)
-            params.max_tokens = fe.check_length(len(ids), params.max_tokens)
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e)) from None
-        except (ValueError, tool_calls.ToolError) as e:
-            raise APIError(400, str(e)) from None
+        params = SamplingParams(
+            max_tokens=max(1, min(body.max_tokens, fe.max_model_len - len(ids))),  # clamped to what is left
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            stop=body.stop_sequences or [], ignore_eos=body.ignore_eos, structured=tool_constraint(fe, tools))
+        req = admit(fe, EngineRequest(ids, params, tools))
         mid = "msg_" + uuid.uuid4().hex
 
         def usage(last: Delta | None, out_tokens: int) -> dict:
@@ -200,58 +188,43 @@ def add_anthropic_routes(app: FastAPI, fe: Frontend) -> None:
                     "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": u}
 
         if body.stream:
-            return StreamingResponse(_stream(fe, ids, params, tools, message, usage), media_type="text/event-stream")
-
-        async def collect() -> tuple[str, int, Delta]:
-            parts, n, last = [], 0, None
-            async for d in deltas(fe, ids, params):
-                parts.append(d.text)
-                n, last = n + len(d.token_ids), d
-            return "".join(parts), n, last
-
-        (text, n, last), = await unless_gone(request, collect())
-        calls = []
-        if tools is not None:
-            text, calls = tool_calls.parse(text, tools)
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
-        return message(content, _stop_reason(last, bool(calls)), usage(last, n))
+            return StreamingResponse(_stream(fe, req, message, usage), media_type="text/event-stream")
+        out = await collect(request, fe, req)
+        content = ([{"type": "text", "text": out.text}] if out.text else []) + [_tool_use(c) for c in out.calls]
+        return message(content, _stop_reason(out.last, bool(out.calls)), usage(out.last, out.num_tokens))
 
 
-async def _stream(fe: Frontend, ids: list[int], params: SamplingParams, tools: tool_calls.Tools | None,
-                  message, usage) -> AsyncIterator[str]:
+async def _stream(fe: Frontend, req: EngineRequest, message, usage) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, ping, per block content_block_start /
     content_block_delta (text_delta, input_json_delta) / content_block_stop, message_delta (stop
     reason, usage), message_stop; a failure after the headers is an `error` event."""
     yield _event("message_start", {"message": message([], (None, None), usage(None, 0))})
     yield _event("ping", {})
-    stream = tool_calls.ToolStream(tools) if tools is not None else None
     index, text_open, n, called, last = 0, False, 0, 0, None
-    gen = deltas(fe, ids, params)
     try:
-        async for d in gen:
-            n, last = n + len(d.token_ids), d
-            text, calls = stream.feed(d.text, final=d.finished) if stream else (d.text, [])
-            if text:
-                if not text_open:
-                    yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                    text_open = True
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
-            for call in calls:
-                if text_open:
+        async with contextlib.aclosing(events(fe, req)) as stream:  # a client gone stops the work now
+            async for ev in stream:
+                n, last = n + len(ev.delta.token_ids), ev.delta
+                if ev.text:
+                    if not text_open:
+                        text_open = True
+                        yield _event("content_block_start",
+                                     {"index": index, "content_block": {"type": "text", "text": ""}})
+                    yield _event("content_block_delta",
+                                 {"index": index, "delta": {"type": "text_delta", "text": ev.text}})
+                for call in ev.calls:
+                    if text_open:
+                        yield _event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    block = _tool_use(call)
+                    yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
                     yield _event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
-                block = _tool_use(call)
-                yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                yield _event("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
-                yield _event("content_block_stop", {"index": index})
-                index, called = index + 1, called + 1
-            await asyncio.sleep(0)  # a client that left is seen before the next write (see api_server)
+                    index, called = index + 1, called + 1
     except APIError as e:  # the headers are sent: the failure is the stream's last event
         yield f"event: error\ndata: {json.dumps(anthropic_error_body(e.status, e.message))}\n\n"
         return
-    finally:
-        await gen.aclose()
     if text_open:
         yield _event("content_block_stop", {"index": index})
     reason, seq = _stop_reason(last, bool(called))

@@ -9,7 +9,7 @@ user typed on) is aborted at once. `/v1/completions` with `suffix` uses the same
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from .frontend import Delta, Frontend, ServiceUnavailable
+from .frontend import Delta, Frontend
 from .http_errors import APIError, error_body, unless_gone
 from .protocol import _Sampling
-from .streaming import deltas, sse_data
+from .streaming import EngineRequest, admit, check_model, collect, events, sse_data
 from .tokenizer_service import TokenizeFailed
 
 MAX_EXTRA = 256  # other files in one request
@@ -66,27 +66,20 @@ def fim_stops(fe: Frontend) -> set[int]:
 def add_infill_routes(app: FastAPI, fe: Frontend) -> None:
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request):
-        if body.model is not None and body.model != fe.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {fe.model_name!r}",
-                           "model", "model_not_found")
+        check_model(fe, body.model)
         max_tokens = None if body.n_predict < 0 else body.n_predict
         ids, truncated = await fim_prompt(request, fe, body.input_prefix + body.prompt, body.input_suffix,
                                           [x.model_dump() for x in body.input_extra], body.filename, max_tokens)
         try:
-            fe.check_capacity()
             params = body.sampling_params(max_tokens, None, 0, body.constraint())
-            params.stop_token_ids = sorted(set(params.stop_token_ids) | fim_stops(fe))
-            params.max_tokens = fe.check_length(len(ids), params.max_tokens)
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e)) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        params.stop_token_ids = sorted(set(params.stop_token_ids) | fim_stops(fe))
+        req = admit(fe, EngineRequest(ids, params, cache_salt=body.cache_salt, worker=body.worker))
         t0 = time.perf_counter()
-        clock = {"first": None}
 
-        def summary(text: str, n: int, last: Delta) -> dict:
+        def summary(text: str, n: int, last: Delta, first: float) -> dict:
             end = time.perf_counter()
-            first = clock["first"] or end
             prompt_n = len(ids) - last.num_cached_tokens
             prompt_ms, predicted_ms = 1e3 * (first - t0), 1e3 * (end - first)
             return {
@@ -102,40 +95,27 @@ def add_infill_routes(app: FastAPI, fe: Frontend) -> None:
                             "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else None},
             }
 
-        def run() -> AsyncIterator[Delta]:
-            return deltas(fe, ids, params, cache_salt=body.cache_salt, worker=body.worker)
-
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                parts, n, last = [], 0, None
-                gen = run()
+            async def stream() -> AsyncIterator[str]:
+                parts, n, last, first = [], 0, None, None
                 try:
-                    async for d in gen:
-                        clock["first"] = clock["first"] or time.perf_counter()
-                        n, last = n + len(d.token_ids), d
-                        parts.append(d.text)
-                        if d.text and not d.finished:
-                            yield sse_data({"index": 0, "content": d.text, "tokens": d.token_ids, "stop": False,
-                                            "tokens_predicted": n, "tokens_evaluated": len(ids)})
-                            await asyncio.sleep(0)  # a client that left is seen before the next write
+                    async with contextlib.aclosing(events(fe, req)) as evs:  # a client gone stops the work now
+                        async for ev in evs:
+                            d = ev.delta
+                            first = first or time.perf_counter()
+                            n, last = n + len(d.token_ids), d
+                            parts.append(d.text)
+                            if d.text and not d.finished:
+                                yield sse_data({"index": 0, "content": d.text, "tokens": d.token_ids, "stop": False,
+                                                "tokens_predicted": n, "tokens_evaluated": len(ids)})
                 except APIError as e:  # the headers are sent: the failure is the stream's last event
                     yield sse_data(error_body(e.status, e.message))
                     return
-                finally:
-                    await gen.aclose()
-                final = summary("".join(parts), n, last)
+                final = summary("".join(parts), n, last, first)
                 final["content"] = last.text  # the last delta's text, with the summary
                 yield sse_data(final)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(stream(), media_type="text/event-stream")
 
-        async def collect() -> tuple[str, int, Delta]:
-            parts, n, last = [], 0, None
-            async for d in run():
-                clock["first"] = clock["first"] or time.perf_counter()
-                parts.append(d.text)
-                n, last = n + len(d.token_ids), d
-            return "".join(parts), n, last
-
-        (text, n, last), = await unless_gone(request, collect())
-        return summary(text, n, last)
+        out = await collect(request, fe, req)
+        return summary(out.text, out.num_tokens, out.last, out.first_token_at)

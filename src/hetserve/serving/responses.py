@@ -11,7 +11,7 @@ store so that later requests can continue them.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -26,10 +26,10 @@ from pydantic import Field, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
 from . import tool_calls
-from .frontend import Delta, Frontend, ServiceUnavailable
-from .http_errors import APIError, unless_gone
+from .frontend import Delta, Frontend
+from .http_errors import APIError
 from .protocol import MAX_MESSAGES, _Body
-from .streaming import deltas, sse_data
+from .streaming import EngineRequest, admit, check_model, collect, encode_chat, events, sse_data, tool_constraint
 
 _TEXT_PARTS = ("input_text", "output_text")
 
@@ -219,9 +219,7 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        if body.model is not None and body.model != fe.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {fe.model_name!r}",
-                           "model", "model_not_found")
+        check_model(fe, body.model)
         history: list[dict] = []
         if body.previous_response_id is not None:
             prev = store.get(body.previous_response_id)
@@ -237,23 +235,15 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             tools = _tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ValueError as e:
             raise APIError(400, str(e), "tools") from None
-        try:  # the helper the chat route renders with (off the event loop, with a time budget)
-            ids, = await unless_gone(request, fe.encode_chat(tool_calls.history_messages(msgs), add_generation_prompt=True,
-                                                             tools=tools.template_tools if tools else None))
-        except ValueError as e:  # the template's or tokenizer's refusal (TokenizeFailed is one)
-            raise APIError(400, str(e), "input") from None
+        ids = await encode_chat(request, fe, msgs, tools, param="input")
         try:
-            fe.check_capacity()
             params = SamplingParams(max_tokens=body.max_output_tokens,
                                     temperature=1.0 if body.temperature is None else body.temperature,
                                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                                    seed=body.seed, ignore_eos=body.ignore_eos,
-                                    structured=tools.constraint(fe.tokenizer) if tools else None)
-            params.max_tokens = fe.check_length(len(ids), params.max_tokens)
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e)) from None
+                                    seed=body.seed, ignore_eos=body.ignore_eos, structured=tool_constraint(fe, tools))
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        req = admit(fe, EngineRequest(ids, params, tools, cache_salt=body.cache_salt))
 
         rid, mid, created = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex, int(time.time())
 
@@ -300,10 +290,7 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
                 store.put(done, conversation + [turn])
             return done
 
-        def run() -> AsyncIterator[Delta]:
-            return deltas(fe, ids, params, cache_salt=body.cache_salt)
-
-        async def events() -> AsyncIterator[str]:
+        async def sse_events() -> AsyncIterator[str]:
             seq = [0]
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
             yield _sse(seq, "response.created", response=response("in_progress"))
@@ -322,39 +309,34 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
                 opened = True
                 for e in open_message():
                     yield e
-            split = tool_calls.ToolStream(tools) if tools is not None else None
             parts, n, last = [], 0, None
-            gen = run()
             try:
-                async for d in gen:
-                    n += len(d.token_ids)
-                    last = d
-                    text, new_calls = split.feed(d.text, final=d.finished) if split else (d.text, [])
-                    if text:
-                        if not opened:
-                            opened = True
-                            for e in open_message():
-                                yield e
-                        parts.append(text)
-                        yield _sse(seq, "response.output_text.delta", **where, delta=text, logprobs=[])
-                    for call in new_calls:  # each whole call is one output item
-                        item = function_call(call)
-                        index = len(calls) + int(opened)
-                        calls.append(call)
-                        yield _sse(seq, "response.output_item.added", output_index=index,
-                                   item={**item, "arguments": "", "status": "in_progress"})
-                        yield _sse(seq, "response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=index, delta=item["arguments"])
-                        yield _sse(seq, "response.function_call_arguments.done", item_id=item["id"],
-                                   output_index=index, arguments=item["arguments"])
-                        yield _sse(seq, "response.output_item.done", output_index=index, item=item)
-                    await asyncio.sleep(0)  # a client that left is seen before the next write (see api_server)
+                async with contextlib.aclosing(events(fe, req)) as evs:  # a client gone stops the work now
+                    async for ev in evs:
+                        n += len(ev.delta.token_ids)
+                        last = ev.delta
+                        if ev.text:
+                            if not opened:
+                                opened = True
+                                for e in open_message():
+                                    yield e
+                            parts.append(ev.text)
+                            yield _sse(seq, "response.output_text.delta", **where, delta=ev.text, logprobs=[])
+                        for call in ev.calls:  # each whole call is one output item
+                            item = function_call(call)
+                            index = len(calls) + int(opened)
+                            calls.append(call)
+                            yield _sse(seq, "response.output_item.added", output_index=index,
+                                       item={**item, "arguments": "", "status": "in_progress"})
+                            yield _sse(seq, "response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=index, delta=item["arguments"])
+                            yield _sse(seq, "response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, arguments=item["arguments"])
+                            yield _sse(seq, "response.output_item.done", output_index=index, item=item)
             except APIError as e:  # the headers are sent: the failure becomes the stream's last event
                 yield _sse(seq, "response.failed",
                            response=response("failed", error={"code": "server_error", "message": e.message}))
                 return
-            finally:
-                await gen.aclose()  # a client gone mid-stream (Starlette closes this generator) stops the work
             text = "".join(parts)
             done = finish(text if opened else None, calls, last, n, where["output_index"] if opened else None)
             if opened:
@@ -365,21 +347,10 @@ def add_responses_routes(app: FastAPI, fe: Frontend, store: ResponseStore | None
             yield _sse(seq, "response." + done["status"], response=done)  # response.completed or .incomplete
 
         if body.stream:
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(sse_events(), media_type="text/event-stream")
 
-        async def collect() -> tuple[str, Delta, int]:
-            parts, n, last = [], 0, None
-            async for d in run():
-                parts.append(d.text)
-                n += len(d.token_ids)
-                last = d
-            return "".join(parts), last, n
-
-        (text, last, n), = await unless_gone(request, collect())
-        calls = []
-        if tools is not None:
-            text, calls = tool_calls.parse(text, tools)
-        return finish(text, calls, last, n)
+        out = await collect(request, fe, req)
+        return finish(out.text, out.calls, out.last, out.num_tokens)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
