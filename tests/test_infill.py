@@ -74,6 +74,9 @@ def test_over_budget_the_text_nearest_the_cursor_stays(tok, tiny_qwen2):
     after = ids[ids.index(tok.fim.suffix) + 1: ids.index(tok.fim.middle)]
     assert cut == enc(pre)[-len(cut):] and after == enc(suf)[:len(after)]  # the prefix's tail, the suffix's head
     assert 0 < len(after) < len(cut)  # both sides kept, the prefix the larger share
+    capped, truncated = infill_ids(enc, tok.fim, "x = 1\n", suf, EXTRA, "a.py", max_suffix=10)
+    assert capped[capped.index(tok.fim.suffix) + 1: capped.index(tok.fim.middle)] == enc(suf)[:10]
+    assert not truncated  # the cap is the layout's, not a cut for the context
     small, truncated = infill_ids(enc, tok.fim, "x = 1\n", "y = 2\n", EXTRA, "a.py", budget=300)
     assert not truncated and tok.fim.repo in small  # what fits is not cut
     with pytest.raises(ValueError, match="no room"):
@@ -131,6 +134,16 @@ def test_the_next_keystroke_reuses_the_cached_prefix(server):
     again = infill(server, **body, input_prefix=PREFIX * 4 + "x = ")
     assert again["tokens_cached"] >= 16 and again["tokens_cached"] % 16 == 0  # whole pages, up to the cursor
     assert again["timings"]["prompt_n"] == again["tokens_evaluated"] - again["tokens_cached"]
+
+
+def test_the_suffix_keeps_its_head_at_every_keystroke(server, tok):
+    """--infill-suffix-tokens (256): the text after the cursor, computed again at every keystroke,
+    is held to its first 256 tokens."""
+    after = "".join(f"after{i}()\n" for i in range(120))
+    out = infill(server, input_prefix=PREFIX, input_suffix=after)
+    assert len(tok.encode_infill(PREFIX, after)[0]) > out["tokens_evaluated"]
+    assert out["tokens_evaluated"] == len(tok.encode_infill(PREFIX, after, max_suffix=256)[0])
+    assert out["truncated"] is False
 
 
 def test_a_long_file_is_cut_to_leave_room_for_the_answer(server):

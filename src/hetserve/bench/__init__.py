@@ -2,6 +2,7 @@
 
 from . import (
                attention,
+               autocomplete,
                disagg,
                kv_layout,
                latency,
@@ -18,4 +19,4 @@ from . import (
 )
 
 BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, load, tracing, routing, speculative,
-               weight_formats, disagg, structured, attention)
+               weight_formats, disagg, structured, attention, autocomplete)

@@ -67,11 +67,16 @@ class FimTokens:
 
 def infill_ids(encode: Callable[[str], list[int]], fim: FimTokens, prefix: str, suffix: str,
                extra: Sequence[Mapping[str, str]] = (), filename: str | None = None,
-               repo: str | None = None, budget: int | None = None) -> tuple[list[int], bool]:
-    """(prompt ids, truncated). `encode` reads text as plain text. Over `budget` tokens the text
-    nearest the cursor is kept: the suffix's head up to a quarter, the prefix's tail, then the
-    other files, dropped from the first while they do not fit."""
+               repo: str | None = None, budget: int | None = None,
+               max_suffix: int | None = None) -> tuple[list[int], bool]:
+    """(prompt ids, truncated). `encode` reads text as plain text. The suffix keeps its first
+    `max_suffix` tokens: it follows the cursor, so every keystroke computes it again, and its
+    head is what the fill must join. Over `budget` tokens the text nearest the cursor is kept:
+    the suffix's head up to a quarter, the prefix's tail, then the other files, dropped from the
+    first while they do not fit (`truncated`)."""
     pre, suf = encode(prefix), encode(suffix)
+    if max_suffix is not None:
+        suf = suf[:max_suffix]
     files = []
     if fim.sep is not None and (extra or filename):
         for chunk in extra:

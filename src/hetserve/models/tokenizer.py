@@ -228,7 +228,7 @@ class Tokenizer:
 
     def encode_infill(self, prefix: str, suffix: str, extra: Sequence[Mapping[str, str]] = (),
                       filename: str | None = None, repo: str | None = None,
-                      budget: int | None = None) -> tuple[list[int], bool]:
+                      budget: int | None = None, max_suffix: int | None = None) -> tuple[list[int], bool]:
         """(ids, truncated) of a fill-in-the-middle prompt (models/fim.py): the code around the
         cursor and other files of the repository, all read as plain text. NoFIM (a ValueError)
         for a model without FIM tokens."""
@@ -237,7 +237,7 @@ class Tokenizer:
                         "<|fim_middle|> or the GGUF's tokenizer.ggml.fim_*_token_id)")
         bos = [self._bos] if self._add_bos and self._bos is not None else []
         ids, truncated = infill_ids(lambda t: self.encode(t, add_bos=False), self.fim, prefix, suffix, extra,
-                                    filename, repo, None if budget is None else budget - len(bos))
+                                    filename, repo, None if budget is None else budget - len(bos), max_suffix)
         return bos + ids, truncated
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

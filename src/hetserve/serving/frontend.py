@@ -109,13 +109,15 @@ class Frontend:
                  profiles: list[dict] | None = None, measure_profiles: bool = True,
                  disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9,
                  tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0,
-                 ray_address: str | None = None, ray_restarts: int = 0, worker_restarts: int = 3):
+                 ray_address: str | None = None, ray_restarts: int = 0, worker_restarts: int = 3,
+                 infill_suffix_tokens: int | None = 256):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
         else counts as fast as the others (the cost policy then balances work only).
         ray_address: the Ray cluster of `ray:` devices (None: a local one is started);
         ray_restarts: times Ray restarts a dead worker actor, which then rejoins;
-        worker_restarts: times a dead local worker is started again (after a back-off), likewise."""
+        worker_restarts: times a dead local worker is started again (after a back-off), likewise;
+        infill_suffix_tokens: the text after the cursor a fill-in-the-middle prompt keeps (None: all)."""
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         # A file the workers cannot load is one line here, not a worker's traceback at start-up.
@@ -126,6 +128,7 @@ class Frontend:
             with GGUFFile(registry.resolve(draft)) as f:
                 ModelConfig.from_gguf(f.path, f.metadata, f.tensors)
         self.engine_kwargs = engine_kwargs
+        self.infill_suffix_tokens = infill_suffix_tokens
         self.dtype = dtype
         self.devices = devices or ["cpu"]
         self.specs = parse_devices(self.devices, engine_kwargs, dtype)
@@ -241,10 +244,12 @@ class Frontend:
 
     async def encode_infill(self, prefix: str, suffix: str, extra: list[dict], filename: str | None,
                             max_tokens: int) -> tuple[list[int], bool]:
-        """A fill-in-the-middle prompt (models/fim.py) cut to leave max_tokens of the context:
-        (ids, truncated). TokenizeFailed (a 400) for bad input or a model without FIM tokens."""
+        """A fill-in-the-middle prompt (models/fim.py) cut to leave max_tokens of the context, its
+        suffix to infill_suffix_tokens: (ids, truncated). TokenizeFailed (a 400) for bad input or a
+        model without FIM tokens."""
         ids, truncated = await self.tokenizers.call("encode_infill", prefix=prefix, suffix=suffix, extra=extra,
-                                                    filename=filename, budget=self.max_model_len - max_tokens)
+                                                    filename=filename, budget=self.max_model_len - max_tokens,
+                                                    max_suffix=self.infill_suffix_tokens)
         return ids, truncated
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -78,7 +78,8 @@ def run(args) -> int:
                         transfer_bytes_per_s=args.kv_transfer_rate, tokenizer_processes=args.tokenizer_processes,
                         tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout,
                         ray_address=args.ray_address, ray_restarts=args.ray_restarts,
-                        worker_restarts=args.worker_restarts)
+                        worker_restarts=args.worker_restarts,
+                        infill_suffix_tokens=args.infill_suffix_tokens or None)
     pool = frontend.pool
     if pool.api_cores:  # off the CPU workers' cores, with the tokenizer processes it starts
         placement.pin_process(pool.api_cores)
@@ -143,6 +144,9 @@ def add_parser(sub) -> None:
                    help="processes that tokenize and render chat templates, off the event loop")
     p.add_argument("--tokenize-timeout", type=float, default=10.0,
                    help="seconds one tokenization or template rendering may take (then 400, process restarted)")
+    p.add_argument("--infill-suffix-tokens", type=int, default=256,
+                   help="tokens of the text after the cursor a fill-in-the-middle prompt keeps (it is computed "
+                        "again at every keystroke; llama.cpp keeps about a quarter of its batch); 0: all")
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="a worker silent for this long (no heartbeat) is declared dead: its requests fail (503)")
     p.add_argument("--worker-restarts", type=int, default=3,

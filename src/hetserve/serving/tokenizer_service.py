@@ -56,8 +56,8 @@ def _ops(tok):
                                                                          limit),
         "encode_chat": lambda messages, add_generation_prompt=True, tools=None, limit=None: _capped(
             tok.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools), limit),
-        "encode_infill": lambda prefix, suffix, extra, filename, budget: list(
-            tok.encode_infill(prefix, suffix, extra, filename, budget=budget)),
+        "encode_infill": lambda prefix, suffix, extra, filename, budget, max_suffix=None: list(
+            tok.encode_infill(prefix, suffix, extra, filename, budget=budget, max_suffix=max_suffix)),
         "decode": lambda ids, skip_special_tokens=True: tok.decode(ids, skip_special_tokens),
         "check_template": lambda: len(tok.encode_chat(_PROBE, add_generation_prompt=True)),
     }
