@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -192,3 +194,29 @@ def test_the_real_model_fills_a_body_and_uses_another_file(real_llm):
                                "    \"\"\"The diagonal d, given in inches, in centimetres.\"\"\"\n    return ",
                                "\n", helper, "report.py")
     assert "inches_to_cm(" in real_llm.generate([ids], greedy, use_tqdm=False)[0].text
+
+
+def test_bench_autocomplete_replays_an_editor(server, tmp_path):
+    """`hetserve bench autocomplete` against a live server: every typing point is one request,
+    each completed or cancelled (the next word came first), never failed; the person waits at
+    every line's end, so those all complete. Only what holds at any speed is asserted."""
+    from hetserve.bench.autocomplete import typing_points
+
+    code = "def area(w, h):\n    return w * h\n\nprint(area(2, 3))\n"
+    (tmp_path / "main.py").write_text(code)
+    (tmp_path / "util.py").write_text("def clamp(x, lo, hi):\n    return max(lo, min(hi, x))\n")
+    out = tmp_path / "ac.json"
+    r = subprocess.run([sys.executable, "-m", "hetserve.cli", "bench", "autocomplete", "--url", server.url,
+                        "--file", str(tmp_path / "main.py"), "--extra", str(tmp_path / "util.py"), "--start-line", "0",
+                        "--lines", "4", "--chars-per-second", "200", "--patience-s", "300", "--n-predict", "4",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    lines = code.splitlines()
+    assert rep["requests"] == sum(len(typing_points(line)) for line in lines)
+    assert rep["failed"] == 0 and rep["completed"] + rep["cancelled"] == rep["requests"]
+    assert rep["line_end_complete"]["n"] == sum(1 for line in lines if line.strip())
+    for key in ("ttft", "complete", "line_end_ttft", "line_end_complete"):
+        assert 0 <= rep[key]["p50_ms"] <= rep[key]["p99_ms"], key
+    assert 0 <= rep["cached_tokens"] <= rep["prompt_tokens"] and rep["mean_tokens_predicted"] <= 4
+    assert "line_end_complete" in r.stdout

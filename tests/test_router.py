@@ -8,7 +8,7 @@ import pytest
 from hetserve.kv.prefix_cache import chain_hashes, root_hash
 from hetserve.serving import ipc
 from hetserve.serving.devices import parse_devices
-from hetserve.serving.router import NoWorker, Profile, Router, WorkerView
+from hetserve.serving.router import NoWorker, OutputLengths, Placed, Profile, Router, WorkerView
 
 MODEL = "qwen2:test:123"
 PREFIX = [(5 * i) % 300 + 1 for i in range(496)]  # 31 full pages of 16
@@ -160,3 +160,68 @@ def test_worker_state_messages_are_checked():
         data["state"].update(bad)
         with pytest.raises(ipc.IPCError):
             ipc.decode(msgpack.packb(data, use_bin_type=True))
+
+
+# -- profiles refined from the worker's steps ------------------------------------------------------
+def test_speed_follows_the_steps_a_worker_runs_and_one_slow_step_moves_it_little():
+    v = WorkerView("cpu0", Profile([(32, 320.0), (128, 640.0)], [(1, 50.0), (4, 100.0)]), MODEL, 16)
+    v.observe(0, 1, 0.02)  # decode of one row as the profile says (1 / 50 s): no change
+    assert v.speed.decode == pytest.approx([1.0, 1.0]) and v.speed.prefill == [1.0, 1.0]
+    v.observe(0, 1, 2.0)  # one step 100x slower moves its point's factor by at most max_move
+    assert v.speed.decode == pytest.approx([1 / v.speed.max_move, 1.0])
+    for _ in range(80):  # then every decode step of 4 rows at half the profile's speed
+        v.observe(0, 4, 4 / 100.0 * 2)
+    assert v.speed.decode[1] == pytest.approx(0.5, rel=0.05) and v.speed.prefill == [1.0, 1.0]
+    assert v.decode_rate(4) == pytest.approx(50.0, rel=0.05)
+    assert v.current_profile().decode[1] == (4, pytest.approx(50.0, rel=0.05))
+    for _ in range(80):  # 128-token prefills 4x faster than measured: only that point moves
+        v.observe(128, 0, 128 / 640.0 / 4)
+    assert v.speed.prefill == [1.0, pytest.approx(4.0, rel=0.05)]
+    for _ in range(80):  # 80-token prefills sit between the points: both move, each by its share
+        v.observe(80, 0, 80 / 320.0)
+    assert v.speed.prefill[0] < 1.0 and v.speed.prefill[1] < 4.0
+    for _ in range(150):  # the profile's sizes at the profile's speed (an idle worker's probes)
+        for size in (32, 128):
+            v.observe(size, 0, size / (320.0 if size == 32 else 640.0))
+        for rows in (1, 4):
+            v.observe(0, rows, rows / (50.0 if rows == 1 else 100.0))
+    assert v.speed.prefill == pytest.approx([1.0, 1.0], rel=0.05)
+    assert v.speed.decode == pytest.approx([1.0, 1.0], rel=0.05)
+    before = v.current_profile()
+    v.observe(32, 4, 32 / before.prefill_rate(32) + 4 / before.decode_rate(4))  # a mixed step as predicted
+    assert [r for _, r in v.current_profile().prefill] == pytest.approx([r for _, r in before.prefill])
+    assert v.speed.to_json()["steps"] == 2 + 80 * 3 + 150 * 4 + 1 and v.speed.to_json()["decode"][0][0] == 1
+    v.rejoin()
+    assert v.speed.prefill == v.speed.decode == [1.0, 1.0] and v.current_profile() is v.profile
+
+
+def test_a_slowed_worker_loses_work_and_a_fixed_profile_does_not_move():
+    fast, slow = seeded("cpu0", 500, 50), seeded("cpu1", 500, 50)
+    fixed = seeded("cpu2", 500, 50, refine=False)
+    for _ in range(100):
+        slow.observe(0, 1, 0.1)  # its decode steps take 5x what its profile says
+        fixed.observe(0, 1, 0.1)
+    assert slow.speed.decode == [pytest.approx(0.2, rel=0.05)] and fixed.speed.decode == [1.0]
+    router = Router("cost", [fast, slow])
+    choices = [router.route(f"r{i}", [7, 8, 9, i], 16).worker for i in range(12)]
+    assert choices.count("cpu0") == 10 and choices.count("cpu1") == 2  # 1/5 of the speed: 1/6 of the work
+
+
+def test_an_unknown_output_length_is_priced_at_what_the_server_has_seen():
+    lengths = OutputLengths()
+    assert lengths.estimate() == (OutputLengths.default, "default")
+    for n in (10, 20, 31):
+        lengths.finished(n)
+    assert lengths.estimate() == (21, "learned")
+    for _ in range(OutputLengths.window):
+        lengths.finished(100)
+    assert lengths.estimate() == (100, "learned")  # the last `window` only
+    open_ended = Placed("r", 10, max_tokens=30000, expected=100)
+    assert open_ended.decode_tokens == 100
+    open_ended.generated = 90
+    assert open_ended.decode_tokens == 25  # past most of it: a quarter of it again
+    assert Placed("r", 10, max_tokens=40, expected=100).decode_tokens == 40  # never past max_tokens
+    assert Placed("r", 10, max_tokens=40).decode_tokens == 40
+    v = seeded("cpu0", 100, 10)
+    d = Router("cost", [v]).route("x", [1, 2, 3], 30000, expected=100)
+    assert d.candidates[0].decode_tokens == 100

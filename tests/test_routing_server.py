@@ -40,8 +40,11 @@ def profile_file(tiny_qwen2, tmp_path_factory) -> str:
     assert r.returncode == 0, r.stderr
     prof = json.loads(out.read_text())
     assert prof["device"] == "cpu:threads=1" and prof["format"] == "hetserve-profile-v1"
-    assert [n for n, _ in prof["prefill"]] == [64, 128, 256] and [b for b, _ in prof["decode"]] == [1, 2, 4, 8]
+    # the points a worker measures at start-up, each the median of rounds whose spread is reported
+    assert [n for n, _ in prof["prefill"]] == [32, 128] and [b for b, _ in prof["decode"]] == [1, 4]
     assert all(rate > 0 for _, rate in prof["prefill"] + prof["decode"])
+    assert 3 <= prof["rounds"] <= 6 and prof["spread"]["worst"] >= 0
+    assert [n for n, _ in prof["spread"]["prefill"]] == [32, 128]
     return str(out)
 
 
@@ -63,21 +66,22 @@ def pair(tiny_qwen2, profile_file, tmp_path_factory):
     """Two deterministic CPU workers, cost routing, a route log. Both get the same profile (each
     matched by its --inference-device value), so their speeds are equal by construction: profiles
     measured at start-up on a busy 2-core machine would make the routing depend on the load.
-    Start-up profiling is covered by test_llm_with_several_devices_routes_in_worker_processes."""
+    Start-up profiling is covered by test_llm_with_several_devices_routes_in_worker_processes, and
+    profiles refined from the workers' steps (off here) by test_profile_refine.py."""
     log = tmp_path_factory.mktemp("route") / "route.jsonl"
     prof = json.load(open(profile_file))
     second = tmp_path_factory.mktemp("profile2") / "cpu1.json"
     second.write_text(json.dumps({**prof, "device": "cpu:threads=1,max_num_seqs=8"}))
     s = Server(tiny_qwen2, "--kv-cache-memory", "16MiB", "--deterministic", "--inference-device", "cpu:threads=1",
                "--inference-device", "cpu:threads=1,max_num_seqs=8", "--profile", profile_file,
-               "--profile", str(second), "--route-log", str(log), "--worker-restarts", "0")
+               "--profile", str(second), "--route-log", str(log), "--worker-restarts", "0", "--profile-refine", "off")
     s.log = log
     yield s
     assert s.stop() == 0
     out = s.proc.stdout.read()
-    given = json.load(open(profile_file))["prefill"][0][1]
-    assert f"worker cpu0 (cpu:threads=1): prefill tok/s {{64: {given:.1f}," in out
-    assert f"worker cpu1 (cpu:threads=1,max_num_seqs=8): prefill tok/s {{64: {given:.1f}," in out
+    n, given = json.load(open(profile_file))["prefill"][0]
+    assert f"worker cpu0 (cpu:threads=1): prefill tok/s {{{n}: {given:.1f}," in out
+    assert f"worker cpu1 (cpu:threads=1,max_num_seqs=8): prefill tok/s {{{n}: {given:.1f}," in out
 
 
 def one_worker_outputs(model: str, prompts, params) -> list:
@@ -125,6 +129,21 @@ def test_a_cached_prefix_draws_the_request(pair):
     assert bad.status_code == 400 and "no worker named" in bad.json()["error"]["message"]
 
 
+def test_the_route_log_says_how_a_decode_was_priced(pair):
+    """With max_tokens, the decode is priced at it; without, at the mean output of the requests
+    this server finished (never at the whole context left)."""
+    complete(pair.url, [3, 4, 5], 5)
+    given = routed(pair.log)[-1]
+    assert given["decode_estimate"] == {"tokens": 5, "source": "max_tokens"} and given["max_tokens"] == 5
+    r = httpx.post(pair.url + "/v1/completions", json={"prompt": [3, 4, 5], "temperature": 0, "max_tokens": None},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    unknown = routed(pair.log)[-1]
+    assert unknown["decode_estimate"]["source"] == "learned" and unknown["max_tokens"] > 400  # the context left
+    assert 1 <= unknown["decode_estimate"]["tokens"] < unknown["max_tokens"]
+    assert {c["decode_tokens"] for c in unknown["candidates"]} >= {unknown["decode_estimate"]["tokens"]}
+
+
 def test_a_dead_worker_leaves_the_other_serving(pair):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -169,5 +188,5 @@ def test_workers_without_a_profile_measure_one_at_start_up(tiny_qwen2):
     finally:
         assert s.stop() == 0
     out = s.proc.stdout.read()
-    assert "worker cpu0 (cpu:threads=1): prefill tok/s {32: " in out
+    assert "worker cpu0 (cpu:threads=1): prefill tok/s {32: " in out and "(rounds agree within" in out
     assert "worker cpu1 (cpu:threads=1,max_num_seqs=4): prefill tok/s {32: " in out

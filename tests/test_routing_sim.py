@@ -45,6 +45,10 @@ def test_reference_experiment_on_the_issues_rates():
         assert cost["completion_s"] < forced["completion_s"]
         assert cost["output_tok_s"] > forced["output_tok_s"]
     assert run(8, "round-robin")["per_worker"] == {"gpu": 4, "cpu": 4}
+    # simulated workers run at their profiles' speed: refining them changes nothing
+    static, refined = run(48, "cost+static"), run(48, "cost")
+    assert {k: v for k, v in static.items() if not k.startswith("route_ms")} == \
+        {k: v for k, v in refined.items() if not k.startswith("route_ms")}  # the router's own timing aside
 
 
 def test_bench_routing_simulate_cli(tmp_path):

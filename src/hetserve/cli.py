@@ -106,9 +106,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     device, dtype = kw.pop("device"), kw.pop("dtype")
     loaded = load_engine(args.model, device, dtype, **kw)
     t0 = time.monotonic()
-    rates = profiling.measure(loaded.engine, decode_steps=args.decode_steps)
+    points = profiling.FULL if args.full else profiling.SHORT  # SHORT: the points a worker measures at start-up
+    rates = profiling.measure_stable(loaded.engine, points["prompt_lens"], points["batch_sizes"],
+                                     args.decode_steps or points["decode_steps"])
     prof = Profile(rates["prefill"], rates["decode"], args.device, args.model).to_json()
-    prof["measured_s"] = round(time.monotonic() - t0, 2)
+    prof.update(spread=rates["spread"], rounds=rates["rounds"], measured_s=round(time.monotonic() - t0, 2))
     text = json.dumps(prof, indent=2)
     if args.out:
         with open(args.out, "w") as f:
@@ -184,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure one worker's prefill and decode rates for the router")
     add_model_flag(pr)
     pr.add_argument("--out", default=None, help="write the profile JSON here (serve --profile FILE reads it)")
-    pr.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
+    pr.add_argument("--full", action="store_true",
+                    help="more sizes (prompts 64-512, batches 1-8); default: those a worker measures at start-up")
+    pr.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per batch size")
     add_engine_flags(pr)
     pr.set_defaults(func=cmd_profile)
 

@@ -2,8 +2,9 @@
 running server's `/infill` (hetserve's, or llama.cpp's `llama-server`: the same requests).
 
 The editor is llama.vscode's model of one: a person types --lines lines of a file (by default
-hetserve's own serving/router.py, with two other modules of the package as the repository
-context in `input_extra`), word by word at --chars-per-second. After each word the editor sends
+the standard library's textwrap.py from line 206, with its fnmatch.py and colorsys.py as the
+repository context in `input_extra`: code that does not change with hetserve, the same for
+every server in one sitting), word by word at --chars-per-second. After each word the editor sends
 a streaming request: `input_prefix` the file's --prefix-lines lines before the cursor's line,
 `prompt` what was typed of that line, `input_suffix` the --suffix-lines lines after it. When the
 person types the next word, a request still running is cancelled (the client closes its
@@ -23,12 +24,13 @@ import json
 import re
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent.parent
-DEFAULT_FILE = _PACKAGE / "serving" / "router.py"
-DEFAULT_EXTRA = (_PACKAGE / "core" / "profiling.py", _PACKAGE / "serving" / "devices.py")
+_STDLIB = Path(textwrap.__file__).parent
+DEFAULT_FILE = _STDLIB / "textwrap.py"
+DEFAULT_EXTRA = (_STDLIB / "fnmatch.py", _STDLIB / "colorsys.py")
 _WORD_END = re.compile(r"[\s(\[{.,:=]")
 
 
@@ -36,7 +38,8 @@ def typing_points(line: str) -> list[int]:
     """Where in a line the person pauses and the editor asks: after each word (a space or
     punctuation just typed) and at the line's end; none in its leading indentation."""
     start = len(line) - len(line.lstrip())
-    points = [i + 1 for i in range(start, len(line)) if _WORD_END.match(line[i]) and i + 1 < len(line)]
+    points = [i + 1 for i in range(start, len(line) - 1)
+              if _WORD_END.match(line[i]) and not _WORD_END.match(line[i + 1])]  # ", " is one pause
     return points + [len(line)] if line.strip() else []
 
 
@@ -180,10 +183,10 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: none)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--file", default=str(DEFAULT_FILE), help="the file typed (default: hetserve's serving/router.py)")
+    p.add_argument("--file", default=str(DEFAULT_FILE), help="the file typed (default: the standard library's textwrap.py)")
     p.add_argument("--extra", nargs="*", default=[str(p) for p in DEFAULT_EXTRA],
                    help="other files sent as input_extra (the repository context)")
-    p.add_argument("--start-line", type=int, default=108, help="the first line typed (0-based)")
+    p.add_argument("--start-line", type=int, default=205, help="the first line typed (0-based)")
     p.add_argument("--lines", type=int, default=16)
     p.add_argument("--prefix-lines", type=int, default=256, help="lines before the cursor sent (llama.vscode's 256)")
     p.add_argument("--suffix-lines", type=int, default=64, help="lines after the cursor sent (llama.vscode's 64)")

@@ -89,7 +89,10 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hetserve.cli", "serve", "--model", args.model, "--port", str(self.port),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--kv-cache-memory", args.kv_cache_memory, "--route-policy", policy, "--route-log", route_log]
+               "--kv-cache-memory", args.kv_cache_memory, "--route-log", route_log]
+        # `cost+static`: cost routing on the profiles as given (not refined from the workers' steps)
+        cmd += ["--route-policy", policy.removesuffix("+static")] + (
+            ["--profile-refine", "off"] if policy.endswith("+static") else [])
         for d in devices:
             cmd += ["--inference-device", d]
         for p in profile_paths:
@@ -162,16 +165,25 @@ async def _burst(url: str, args, names: list[str], seed: int) -> tuple[list[dict
                           time.perf_counter())
         prompts = [prefix + ((await tokenize(f"# request {nonce}-{i}\n")) + body)[:tail_len]
                    for i in range(args.num_requests)]
-        t0 = time.perf_counter()
-        tasks = []
-        for i, p in enumerate(prompts):  # sent on a fixed clock, without waiting for answers
-            delay = t0 + i * args.interval - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(_stream(c, url, {
-                "prompt": p, "max_tokens": args.output_tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}, t0)))
-        return await asyncio.gather(*tasks), prompts, prefix
+        # --hog-core: a busy loop on that core from the burst's start to its end (something
+        # outside hetserve slowing one worker under load).
+        hog = None if args.hog_core is None else subprocess.Popen(
+            [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{args.hog_core}}})\nwhile True: pass"])
+        try:
+            t0 = time.perf_counter()
+            tasks = []
+            for i, p in enumerate(prompts):  # sent on a fixed clock, without waiting for answers
+                delay = t0 + i * args.interval - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(_stream(c, url, {
+                    "prompt": p, "max_tokens": args.output_tokens, "temperature": 0.0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}, t0)))
+            return await asyncio.gather(*tasks), prompts, prefix
+        finally:
+            if hog is not None:
+                hog.kill()
+                hog.wait()
 
 
 def real_case(args, devices, names, policy, profile_paths, run: int) -> dict:
@@ -339,7 +351,11 @@ def add_parser(sub) -> None:
                         "4 or more cores; else cpu:threads=1,weight_format=int8 + cpu:threads=1,weight_format=fp32")
     p.add_argument("--profile", action="append", default=[], help="worker profiles, one per worker, in order")
     p.add_argument("--ray-address", default=None, help="the Ray cluster of ray: devices (passed to the servers)")
-    p.add_argument("--policies", nargs="+", default=None, help="default: force:<first worker> cost")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help="default: force:<first worker> cost; cost+static: cost on the profiles as given, not "
+                        "refined from the workers' steps")
+    p.add_argument("--hog-core", type=int, default=None,
+                   help="real runs: a busy loop pinned to this core during each burst (a worker slowed under load)")
     p.add_argument("--bursts", type=int, nargs="+", default=[8, 48])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=516)

@@ -114,7 +114,9 @@ def simulate(profiles: list[tuple[str, Profile]], requests: list[SimRequest], po
     if seed_prefix:
         for v in views:
             v.cached.update(chain_hashes(root_hash(MODEL_ID), seed_prefix, page_size))
-    router = Router(policy, views)
+    # The simulated workers run at their profiles' speed: a refined profile would not move, so
+    # `cost+static` and `cost` are one policy here.
+    router = Router(policy.removesuffix("+static"), views)
     workers = {v.name: _Worker(v, max_num_batched_tokens) for v in views}
     events, seq = [], itertools.count()
     for i, r in enumerate(requests):

@@ -213,6 +213,7 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[EngineOutput]:
+        self.last_step: tuple[int, int] | None = None  # set below when a forward ran
         outputs = self._grammars_ready() if self.structured is not None and self.structured.compiling else []
         with trace.span("schedule"):
             sched = self.scheduler.schedule()
@@ -232,6 +233,10 @@ class EngineCore:
             spec.after_forward(sched, seconds, draft_seconds)
         if self.scheduler.pacer is not None:
             self.scheduler.pacer.observe(sched.num_prompt_tokens, seconds)
+        # What the step ran, for whoever times it (the worker reports it to the router): its prompt
+        # tokens and its rows that decode (a verification of drafts counts as one).
+        self.last_step = (sched.num_prompt_tokens,
+                          sum(1 for r, _ in sched.scheduled if r.num_computed_tokens >= r.num_prompt_tokens))
         now = time.monotonic()
         incremental = self.config.prefix_publish == "incremental"
         for req, n in sched.scheduled:

@@ -7,7 +7,12 @@ count every row of a step (a batch of 4 producing 4 tokens per step counts 4).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import random
+import statistics
+import tempfile
 import time
 
 import torch
@@ -18,6 +23,9 @@ from .request import Request
 
 FULL = {"prompt_lens": (64, 128, 256, 512), "batch_sizes": (1, 2, 4, 8), "decode_steps": 16}
 SHORT = {"prompt_lens": (32, 128), "batch_sizes": (1, 4), "decode_steps": 6}  # a few seconds at start-up
+STABLE_SPREAD = 0.10  # rounds agree when every point's (max - min) / median is at most this
+MIN_ROUNDS, MAX_ROUNDS = 3, 6
+LOCK_PATH = os.path.join(tempfile.gettempdir(), "hetserve-profile.lock")
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -65,3 +73,77 @@ def measure(engine: EngineCore, prompt_lens=FULL["prompt_lens"], batch_sizes=FUL
     if not prefill or not decode:
         raise ValueError("the KV cache or max_num_seqs is too small to measure a profile")
     return {"prefill": prefill, "decode": decode}
+
+
+@contextlib.contextmanager
+def machine_lock(path: str = LOCK_PATH):
+    """Held while a worker loads and measures itself: workers that share a machine (of one server
+    or several) then load and measure one at a time, so that none measures beside another's
+    loading or measurement."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def measure_stable(engine: EngineCore, prompt_lens=SHORT["prompt_lens"], batch_sizes=SHORT["batch_sizes"],
+                   decode_steps: int = SHORT["decode_steps"], spread: float = STABLE_SPREAD) -> dict:
+    """`measure` in rounds until they agree: at least MIN_ROUNDS, then more (up to MAX_ROUNDS)
+    while a point's spread ((max - min) / median of its rates) is above `spread`. The profile is
+    each point's median, with its spread and the rounds run, so a reader sees how sure it is.
+    `hetserve profile` and a worker's start-up measurement are this same function."""
+    rounds = []
+    while len(rounds) < MAX_ROUNDS:
+        rounds.append(measure(engine, prompt_lens, batch_sizes, decode_steps, seed=len(rounds)))
+        if len(rounds) >= MIN_ROUNDS and _spread(rounds)[0] <= spread:
+            break
+    worst, by_point = _spread(rounds)
+    out = {}
+    for kind in ("prefill", "decode"):
+        out[kind] = [[x, round(statistics.median(r[kind][i][1] for r in rounds), 2)]
+                     for i, (x, _) in enumerate(rounds[0][kind])]
+    out["spread"] = {**by_point, "worst": round(worst, 4)}
+    out["rounds"] = len(rounds)
+    return out
+
+
+def _spread(rounds: list[dict]) -> tuple[float, dict]:
+    by_point = {}
+    for kind in ("prefill", "decode"):
+        rows = []
+        for i, (x, _) in enumerate(rounds[0][kind]):
+            rates = [r[kind][i][1] for r in rounds]
+            rows.append([x, round((max(rates) - min(rates)) / statistics.median(rates), 4)])
+        by_point[kind] = rows
+    worst = max(v for kind in by_point.values() for _, v in kind)
+    return worst, by_point
+
+
+PROBES = [("prefill", n) for n in SHORT["prompt_lens"]] + [("decode", b) for b in SHORT["batch_sizes"]]
+
+
+@torch.inference_mode()
+def probe(engine: EngineCore, kind: str, size: int, seed: int | None = None) -> list:
+    """A short timed run on an idle engine at one of the profile's sizes (PROBES): a prompt of
+    `size` random ids, or `size` short prompts and two decode steps of that batch;
+    [prompt tokens, decode rows, seconds] per step, as a worker reports its steps. Its pages are
+    freed when it ends; being random, they match no real prompt."""
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    limit = min(engine.max_model_len, engine.pool.num_blocks * engine.pool.page_size)
+    if kind == "prefill":
+        prompts, max_tokens = [_prompt(rng, vocab, min(size, limit - 2))], 1
+    else:
+        prompts, max_tokens = [_prompt(rng, vocab, 8) for _ in range(min(size, engine.config.max_num_seqs))], 3
+    for p in prompts:
+        engine.add_request(Request(f"probe-{rng.getrandbits(48):x}", p, SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        if engine.last_step is not None:
+            steps.append([*engine.last_step, time.perf_counter() - t0])
+    return steps

@@ -34,7 +34,7 @@ from . import ipc
 from .dashboard import LiveStats
 from .devices import parse_devices
 from .metrics import Metrics
-from .router import NoWorker, Profile, Router, WorkerView, choose_split
+from .router import NoWorker, OutputLengths, Profile, Router, WorkerView, choose_split
 from .tokenizer_service import TokenizeBudgetExceeded, TokenizeFailed, TokenizerPool
 from .worker_pool import WorkerHandle, WorkerPool
 
@@ -110,14 +110,18 @@ class Frontend:
                  disaggregate: str | None = None, transfer_bytes_per_s: float = 1e9,
                  tokenizer_processes: int = 2, tokenize_timeout: float = 10.0, worker_timeout: float = 15.0,
                  ray_address: str | None = None, ray_restarts: int = 0, worker_restarts: int = 3,
-                 infill_suffix_tokens: int | None = 256):
+                 infill_suffix_tokens: int | None = 256, profile_refine: bool = True,
+                 profile_probe_s: float = 2.0):
         """profiles: router.Profile JSON objects, matched to workers by their --inference-device
         value; a worker without one measures a short profile at start-up (measure_profiles), or
         else counts as fast as the others (the cost policy then balances work only).
         ray_address: the Ray cluster of `ray:` devices (None: a local one is started);
         ray_restarts: times Ray restarts a dead worker actor, which then rejoins;
         worker_restarts: times a dead local worker is started again (after a back-off), likewise;
-        infill_suffix_tokens: the text after the cursor a fill-in-the-middle prompt keeps (None: all)."""
+        infill_suffix_tokens: the text after the cursor a fill-in-the-middle prompt keeps (None: all);
+        profile_refine: the router follows each worker's speed from the steps it reports (False: the
+        profiles as given or measured at start-up are trusted for the server's life); profile_probe_s:
+        an idle worker times a short run this often so that the router sees it recover (0: never)."""
         self.model_path = str(registry.resolve(model))
         self.model_name = model if model in registry.MODELS else os.path.basename(self.model_path)
         # A file the workers cannot load is one line here, not a worker's traceback at start-up.
@@ -129,6 +133,8 @@ class Frontend:
                 ModelConfig.from_gguf(f.path, f.metadata, f.tensors)
         self.engine_kwargs = engine_kwargs
         self.infill_suffix_tokens = infill_suffix_tokens
+        self.profile_refine = profile_refine
+        self.output_lengths = OutputLengths()  # what a request without max_tokens is priced at
         self.dtype = dtype
         self.devices = devices or ["cpu"]
         self.specs = parse_devices(self.devices, engine_kwargs, dtype)
@@ -167,8 +173,9 @@ class Frontend:
         # One worker needs no profile: there is nothing to choose between.
         needs_profile = {ws.spec for ws in self.specs if ws.spec not in self.profiles} \
             if measure_profiles and len(self.specs) > 1 else set()
+        probe_s = profile_probe_s if profile_refine and len(self.specs) > 1 else 0.0  # one worker: no choice
         self.pool = WorkerPool(self.specs, self.model_path, model, self._dir, needs_profile, ray_address,
-                               ray_restarts, worker_timeout, worker_restarts, startup_timeout)
+                               ray_restarts, worker_timeout, worker_restarts, startup_timeout, probe_s)
         self.workers, self._named = self.pool.workers, self.pool.named
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -196,11 +203,19 @@ class Frontend:
             profile = Profile(r.profile["prefill"], r.profile["decode"], w.spec.spec, self.model_name)
         if profile is None:
             profile = Profile.flat(1.0, 1.0, w.spec.spec)  # unknown speed: all workers count as equal
-        return WorkerView(w.name, profile, r.model_id, r.page_size, r.max_num_seqs, r.num_pages * r.page_size)
+        return WorkerView(w.name, profile, r.model_id, r.page_size, r.max_num_seqs, r.num_pages * r.page_size,
+                          refine=self.profile_refine)
 
     def worker_profiles(self) -> dict[str, dict]:
-        """The profile each worker is routed by (given, measured at start-up, or flat)."""
-        return {v.name: v.profile.to_json() for v in self.router.workers} if self.router else {}
+        """Each worker's profile: as given or measured at start-up (with the spread of its rounds
+        where measured), and as the router prices it now (refined from the worker's steps)."""
+        out = {}
+        for v in self.router.workers if self.router else []:
+            w = self._named[v.name]
+            measured = w.ready.profile if w.ready else None
+            out[v.name] = {**v.profile.to_json(), "spread": (measured or {}).get("spread"),
+                           "current": {**v.current_profile().to_json(), "speed": v.speed.to_json()}}
+        return out
 
     @property
     def healthy(self) -> bool:
@@ -279,12 +294,17 @@ class Frontend:
         return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size)
 
     def _pick_worker(self, rid: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None,
-                     pin: str | None, auto_split: bool = False) -> tuple[WorkerHandle, str | None]:
-        """The worker that runs (or prefills) the request, and the decode worker when it is split."""
+                     pin: str | None, auto_split: bool = False,
+                     max_tokens_given: bool = True) -> tuple[WorkerHandle, str | None]:
+        """The worker that runs (or prefills) the request, and the decode worker when it is split.
+        A request without max_tokens has its decode priced at the expected output length."""
         if pin is not None and pin not in [w.name for w in self.workers]:
             raise ValueError(f"no worker named {pin!r} (workers: {', '.join(w.name for w in self.workers)})")
+        expected, source = (max_tokens, "max_tokens") if max_tokens_given else self.output_lengths.estimate()
+        expected = min(expected, max_tokens)
         try:
-            d = self.router.route(rid, prompt_ids, max_tokens, cache_salt, pin)
+            d = self.router.route(rid, prompt_ids, max_tokens, cache_salt, pin,
+                                  expected=None if max_tokens_given else expected)
         except NoWorker as e:
             raise ServiceUnavailable(str(e)) from None
         choice, split = d.worker, None
@@ -299,7 +319,8 @@ class Frontend:
                 choice = split.prefill
         self._log_route({
             "time": round(time.time(), 4), "request_id": rid, "prompt_tokens": len(prompt_ids),
-            "max_tokens": max_tokens, "policy": d.policy, "choice": choice,
+            "max_tokens": max_tokens, "decode_estimate": {"tokens": expected, "source": source},
+            "policy": d.policy, "choice": choice,
             "candidates": [{**c.as_dict(), "node": self._node(c.worker)} for c in d.candidates],
             **({"split": split.as_dict()} if split else {})})
         return self._named[choice], split.decode if split else None
@@ -315,12 +336,16 @@ class Frontend:
             self._route_log.write(json.dumps(entry) + "\n")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-                       request_id: str | None = None, worker: str | None = None) -> AsyncIterator[Delta]:
+                       request_id: str | None = None, worker: str | None = None,
+                       max_tokens_given: bool | None = None) -> AsyncIterator[Delta]:
         """Stream the deltas of one request. Cancelling the consumer aborts it in the worker.
-        worker: run it on this worker whatever the route policy (cache warming, diagnostics)."""
+        worker: run it on this worker whatever the route policy (cache warming, diagnostics);
+        max_tokens_given: whether the client set max_tokens (default: params.max_tokens is set)."""
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"token ids must be in [0, {vocab - 1}]")
+        if max_tokens_given is None:
+            max_tokens_given = params.max_tokens is not None
         self.check_capacity()
         params.max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
@@ -331,7 +356,8 @@ class Frontend:
         fixed = self.disaggregate if worker is None and isinstance(self.disaggregate, tuple) else None
         auto = worker is None and self.disaggregate == "auto"
         w, decode = self._pick_worker(rid, prompt_ids, params.max_tokens, cache_salt,
-                                      fixed[0] if fixed else worker, auto_split=auto)
+                                      fixed[0] if fixed else worker, auto_split=auto,
+                                      max_tokens_given=max_tokens_given)
         # From here on the router holds a placement and (below) the stream a queue slot: every way
         # out of this generator, an error, a cancel or the end, goes through the finally below.
         st = _Stream(w, RequestState(self.tokenizer, params), asyncio.Queue(), time.monotonic(), len(prompt_ids))
@@ -449,7 +475,10 @@ class Frontend:
         w.state = s = msg.state  # Outputs
         self.metrics.worker_state(w.name, s)
         if self.router is not None:
-            self.router.view(w.name).apply_state(s.queued_ids, s.running_prefill, s.published, s.evicted)
+            view = self.router.view(w.name)
+            view.apply_state(s.queued_ids, s.running_prefill, s.published, s.evicted)
+            for prompt_tokens, decode_rows, seconds in s.steps:
+                view.observe(prompt_tokens, decode_rows, seconds)
         for u in msg.updates:
             self._apply(w, u)
 
@@ -485,6 +514,8 @@ class Frontend:
         if finished:
             st.done = True
             self.metrics.e2e(w.name, now - st.arrival)
+            if reason in ("stop", "length"):
+                self.output_lengths.finished(st.num_output_tokens)
         st.queue.put_nowait(Delta(
             text=text, token_ids=list(u.new_token_ids),
             logprobs=[{int(t): float(lp) for t, lp in entry} for entry in u.logprobs],

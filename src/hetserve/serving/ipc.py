@@ -113,6 +113,7 @@ class WorkerState:
     published: list[bytes] = field(default_factory=list)  # page hashes cached since the last state
     evicted: list[bytes] = field(default_factory=list)  # page hashes dropped since the last state
     chunk_budget: int = 0  # prompt tokens a step may carry while requests decode (--max-decode-stall)
+    steps: list[list] = field(default_factory=list)  # [prompt tokens, decode rows, seconds] of steps run since
 
     def __post_init__(self) -> None:
         # The router trusts these, so they are checked here rather than deep in its code.
@@ -128,6 +129,10 @@ class WorkerState:
             v = getattr(self, name)
             if not isinstance(v, list) or not all(isinstance(h, bytes) and len(h) == 32 for h in v):
                 raise TypeError(f"{name} must be a list of 32-byte page hashes")
+        if not isinstance(self.steps, list) or not all(
+                isinstance(x, list) and len(x) == 3 and type(x[0]) is int and type(x[1]) is int and x[0] >= 0
+                and x[1] >= 0 and isinstance(x[2], float) and 0.0 <= x[2] < 3600.0 for x in self.steps):
+            raise TypeError("steps must be [prompt tokens, decode rows, seconds] triples")
 
 
 @dataclass

@@ -15,7 +15,9 @@ max_tokens. The lowest score wins (ties: the first worker).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv.prefix_cache import chain_hashes, root_hash
@@ -78,6 +80,96 @@ class Profile:
         return cls(data["prefill"], data["decode"], data.get("device", ""), data.get("model", ""))
 
 
+def _weights(points: list[tuple[int, float]], x: float) -> dict[int, float]:
+    """The interpolation weights of the points a size falls between (the nearest end beyond them)."""
+    xs = [p[0] for p in points]
+    i = bisect_left(xs, x)
+    if i == 0:
+        return {0: 1.0}
+    if i == len(xs):
+        return {len(xs) - 1: 1.0}
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return {i - 1: 1.0 - t, i: t}
+
+
+class Speed:
+    """How fast a worker runs now against its start-up profile: a factor per profile point
+    (prefill by prompt length, decode by batch size), refined from every step it reports
+    (prompt tokens, decode rows, seconds).
+
+    A step's ratio is the seconds the current profile predicts for it over the seconds it took;
+    the factors of the points its sizes fall between move toward it in log space by the step's
+    weight (its share of `window_s` seconds, at least `min_weight`), split between prefill and
+    decode by their shares of the prediction and between two points by interpolation, and by at
+    most `max_move` per step, so one slow step cannot swing them: a worker slowed to half its
+    speed reads so within a few dozen steps. A worker that runs no requests times probes of the
+    profile's sizes in its own loop (worker.py), so a slowed worker that loses its work wins it
+    back when it recovers, and a profile measured beside another load comes true."""
+
+    window_s: float = 2.0
+    min_weight: float = 0.05
+    max_move: float = 1.25
+    bounds: tuple[float, float] = (0.02, 50.0)
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.prefill = [1.0] * len(profile.prefill)
+        self.decode = [1.0] * len(profile.decode)
+        self.steps = 0
+
+    def current(self) -> Profile:
+        p = self.profile
+        return Profile([(x, y * f) for (x, y), f in zip(p.prefill, self.prefill)],
+                       [(x, y * f) for (x, y), f in zip(p.decode, self.decode)], p.device, p.model)
+
+    def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        now = self.current()
+        parts = {"prefill": (prompt_tokens / now.prefill_rate(prompt_tokens), self.prefill, now.prefill,
+                             prompt_tokens) if prompt_tokens else None,
+                 "decode": (decode_rows / now.decode_rate(decode_rows), self.decode, now.decode, decode_rows)
+                 if decode_rows else None}
+        expected = sum(p[0] for p in parts.values() if p)
+        if seconds <= 0 or expected <= 0:
+            return
+        self.steps += 1
+        w = min(1.0, max(self.min_weight, seconds / self.window_s))
+        lo, hi = self.bounds
+        for part in parts.values():
+            if part is None:
+                continue
+            predicted, factors, points, size = part
+            for i, share in _weights(points, size).items():
+                move = (expected / seconds) ** (w * share * predicted / expected)
+                move = min(max(move, 1 / self.max_move), self.max_move)
+                factors[i] = min(max(factors[i] * move, lo), hi)
+
+    def to_json(self) -> dict:
+        return {"prefill": [[x, round(f, 4)] for (x, _), f in zip(self.profile.prefill, self.prefill)],
+                "decode": [[x, round(f, 4)] for (x, _), f in zip(self.profile.decode, self.decode)],
+                "steps": self.steps}
+
+
+class OutputLengths:
+    """The output length to price a request's decode at when its client gave no max_tokens (the
+    whole context left is what it may use, not what a chat answer uses): the mean of the last
+    `window` finished requests' outputs on this server, or `default` before there is any."""
+
+    default = 256
+    window = 64
+
+    def __init__(self) -> None:
+        self._recent: deque[int] = deque(maxlen=self.window)
+
+    def finished(self, output_tokens: int) -> None:
+        self._recent.append(output_tokens)
+
+    def estimate(self) -> tuple[int, str]:
+        """(tokens, where the figure came from: "learned" or "default")."""
+        if not self._recent:
+            return self.default, "default"
+        return max(1, math.ceil(sum(self._recent) / len(self._recent))), "learned"
+
+
 # -- what the router knows about one worker -----------------------------------------------------------
 @dataclass
 class Placed:
@@ -88,10 +180,16 @@ class Placed:
     max_tokens: int
     generated: int = 0
     active: bool = False  # running in the worker's scheduler (else queued, or not yet seen there)
+    expected: int | None = None  # its output's expected length where max_tokens was not given
 
     @property
     def decode_tokens(self) -> int:
-        return max(self.max_tokens - self.generated, 0)
+        """Tokens it has still to decode: to max_tokens, or for an unknown length to the expected
+        one (and, past it, a quarter of it again while max_tokens allows)."""
+        left = max(self.max_tokens - self.generated, 0)
+        if self.expected is None:
+            return left
+        return min(left, max(self.expected - self.generated, self.expected // 4))
 
 
 @dataclass
@@ -129,12 +227,35 @@ class WorkerView:
     alive: bool = True
     cached: set[bytes] = field(default_factory=set)  # page hashes the worker has published
     requests: dict[str, Placed] = field(default_factory=dict)
+    refine: bool = True  # False: the profile is trusted as it is (--profile-refine off)
+
+    def __post_init__(self) -> None:
+        self.speed = Speed(self.profile)  # now against the profile (refined from its steps)
+        self._current = self.profile
 
     def rejoin(self) -> None:
-        """A restarted worker: alive again, nothing cached, nothing placed."""
+        """A restarted worker: alive again, nothing cached, nothing placed, its speed unknown again."""
         self.alive = True
         self.cached.clear()
         self.requests.clear()
+        self.speed = Speed(self.profile)
+        self._current = self.profile
+
+    def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        """A step the worker ran (or an idle probe's): its speed follows (see Speed)."""
+        if self.refine:
+            self.speed.observe(prompt_tokens, decode_rows, seconds)
+            self._current = self.speed.current()
+
+    def prefill_rate(self, tokens: int) -> float:
+        return self._current.prefill_rate(tokens)
+
+    def decode_rate(self, batch: int) -> float:
+        return self._current.decode_rate(batch)
+
+    def current_profile(self) -> Profile:
+        """The start-up profile at the speed the worker runs now."""
+        return self._current
 
     def cached_tokens(self, prompt_ids: list[int], cache_salt: str | None = None,
                       hashes: list[bytes] | None = None) -> int:
@@ -158,8 +279,8 @@ class WorkerView:
         decode = sum(r.decode_tokens for r in reqs)
         batch = min(len(reqs), self.max_num_seqs)
         return Candidate(self.name, active, len(self.requests) - active, cached_tokens, prefill, decode,
-                         prefill / self.profile.prefill_rate(prefill) if prefill else 0.0,
-                         decode / self.profile.decode_rate(batch) if decode else 0.0)
+                         prefill / self.prefill_rate(prefill) if prefill else 0.0,
+                         decode / self.decode_rate(batch) if decode else 0.0)
 
     # -- updates from the worker's per-step state ----------------------------------------------
     def apply_state(self, queued_ids: list[str], running: dict[str, int], published: list[bytes],
@@ -210,9 +331,10 @@ class Router:
         return next(w for w in self.workers if w.name == name)
 
     def route(self, request_id: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None = None,
-              pin: str | None = None) -> Decision:
+              pin: str | None = None, expected: int | None = None) -> Decision:
         """Pick a worker for the request and record it there. pin: a worker name that overrides
-        the policy for this one request (cache warming, diagnostics)."""
+        the policy for this one request (cache warming, diagnostics); expected: the output's
+        expected length where the client gave no max_tokens (its decode is priced at that)."""
         fits = [w for w in self.workers if w.alive and
                 (w.capacity_tokens is None or len(prompt_ids) + max_tokens <= w.capacity_tokens)]
         if not fits:
@@ -225,7 +347,7 @@ class Router:
                 full = (len(prompt_ids) - 1) // w.page_size * w.page_size
                 hashes[key] = chain_hashes(root_hash(w.model_id, cache_salt), prompt_ids[:full], w.page_size)
             cached = w.cached_tokens(prompt_ids, cache_salt, hashes[key])
-            p = Placed(request_id, len(prompt_ids) - cached, max_tokens)
+            p = Placed(request_id, len(prompt_ids) - cached, max_tokens, expected=expected)
             cands.append(w.estimate(p, cached))
             placed.append(p)
         policy = f"force:{pin}" if pin else self.policy

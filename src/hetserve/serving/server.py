@@ -79,7 +79,8 @@ def run(args) -> int:
                         tokenize_timeout=args.tokenize_timeout, worker_timeout=args.worker_timeout,
                         ray_address=args.ray_address, ray_restarts=args.ray_restarts,
                         worker_restarts=args.worker_restarts,
-                        infill_suffix_tokens=args.infill_suffix_tokens or None)
+                        infill_suffix_tokens=args.infill_suffix_tokens or None,
+                        profile_refine=args.profile_refine == "on", profile_probe_s=args.profile_probe_s)
     pool = frontend.pool
     if pool.api_cores:  # off the CPU workers' cores, with the tokenizer processes it starts
         placement.pin_process(pool.api_cores)
@@ -99,8 +100,10 @@ def run(args) -> int:
         if len(frontend.workers) > 1:
             for name, prof in frontend.worker_profiles().items():
                 rates = lambda pts: ", ".join(f"{n}: {r:.1f}" for n, r in pts)  # noqa: E731
+                spread = prof.get("spread")
+                sure = f" (rounds agree within {100 * spread['worst']:.0f}%)" if spread else ""
                 print(f"hetserve: worker {name} ({prof['device']}): prefill tok/s {{{rates(prof['prefill'])}}}, "
-                      f"decode tok/s by batch {{{rates(prof['decode'])}}}", file=sys.stderr, flush=True)
+                      f"decode tok/s by batch {{{rates(prof['decode'])}}}{sure}", file=sys.stderr, flush=True)
         yield
         end = server.exit_deadline
         await frontend.shutdown(timeout=10.0 if end is None else max(0.5, end - time.monotonic() - 0.2))
@@ -165,7 +168,14 @@ def add_parser(sub) -> None:
     r.add_argument("--profile", action="append", default=[],
                    help="a worker profile from `hetserve profile` (repeatable; matched by --inference-device)")
     r.add_argument("--startup-profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="workers without --profile measure a short profile at start-up (a few seconds)")
+                   help="workers without --profile measure a short profile at start-up (a few seconds; "
+                        "one worker of the machine at a time, in rounds until they agree within 10%%)")
+    r.add_argument("--profile-refine", choices=("on", "off"), default="on",
+                   help="on: the router follows each worker's speed from the steps it runs (a decayed "
+                        "average, at most 25%% a step); off: the start-up or given profiles are trusted as they are")
+    r.add_argument("--profile-probe-s", type=float, default=2.0,
+                   help="an idle worker times a short run this often, so that the router sees a worker it "
+                        "stopped sending work to recover (0: never)")
     r.add_argument("--disaggregate", default=None, metavar="prefill=WORKER,decode=WORKER",
                    help="prefill every request on one worker and decode it on another (the KV pages move "
                         "between them), e.g. prefill=cpu0,decode=cpu1; or auto: the router splits a request "

@@ -41,6 +41,7 @@ class EngineRequest:
     tools: tool_calls.Tools | None = None
     cache_salt: str | None = None
     worker: str | None = None
+    max_tokens_given: bool | None = None  # whether the client set a limit (admit: params.max_tokens before)
 
 
 @dataclass
@@ -95,6 +96,8 @@ async def encode_chat(request: Request, fe: Frontend, messages: list[dict], tool
 def admit(fe: Frontend, req: EngineRequest) -> EngineRequest:
     """Whether the server takes the request now (a 503 while draining, a worker down or the queue
     full) and ever can (a 400 with the numbers); its max_tokens resolved against the context."""
+    if req.max_tokens_given is None:  # the router prices an open-ended request's decode otherwise
+        req.max_tokens_given = req.params.max_tokens is not None
     try:
         fe.check_capacity()
         req.params.max_tokens = fe.check_length(len(req.ids), req.params.max_tokens)
@@ -121,7 +124,7 @@ async def deltas(fe: Frontend, req: EngineRequest) -> AsyncIterator[Delta]:
     the request now, not when the generator is collected."""
     try:
         async with contextlib.aclosing(fe.generate(req.ids, req.params, cache_salt=req.cache_salt,
-                                                   worker=req.worker)) as gen:
+                                                   worker=req.worker, max_tokens_given=req.max_tokens_given)) as gen:
             async for d in gen:
                 yield d
     except (ServiceUnavailable, RequestFailed) as e:

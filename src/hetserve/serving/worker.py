@@ -7,6 +7,7 @@ one step, and sends every step's new tokens with the worker's state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,6 +84,7 @@ def serve(spec: dict) -> int:
     exit_with_parent(parent)  # while it imports, loads, builds kernels, or is stuck: never an orphan
     import torch
 
+    from ..core import profiling
     from ..core.engine import RequestRejected
     from ..core.loading import load_engine
     from ..core.request import Request, RequestStatus
@@ -102,18 +104,18 @@ def serve(spec: dict) -> int:
     outbox.setsockopt(zmq.LINGER, 2000)
     threading.Thread(target=_heartbeat, args=(ctx, spec["from_worker"], name), daemon=True).start()
 
-    try:
-        loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
-                             **spec["engine"])
-    except ValueError as e:  # a model or option it cannot load: one line (the API process names the exit)
-        print(f"error: worker {name}: {e}", file=sys.stderr, flush=True)
-        return 2
-    engine = loaded.engine
-    profile = None
-    if spec.get("measure_profile"):
-        from ..core import profiling
-
-        profile = profiling.measure(engine, **profiling.SHORT)
+    # A worker that measures its profile loads and measures holding the machine's profiling lock:
+    # workers sharing the machine then neither load nor measure beside its measurement.
+    measuring = bool(spec.get("measure_profile"))
+    with profiling.machine_lock() if measuring else contextlib.nullcontext():
+        try:
+            loaded = load_engine(spec["model"], spec.get("device", "cpu"), spec.get("dtype", "float32"), name=name,
+                                 **spec["engine"])
+        except ValueError as e:  # a model or option it cannot load: one line (the API process names the exit)
+            print(f"error: worker {name}: {e}", file=sys.stderr, flush=True)
+            return 2
+        engine = loaded.engine
+        profile = profiling.measure_stable(engine) if measuring else None
     if engine.prefix_cache is not None:
         engine.prefix_cache.track_changes = True  # from here on the router hears of every page
     model_id = engine.prefix_cache.model_id if engine.prefix_cache else ""
@@ -124,8 +126,16 @@ def serve(spec: dict) -> int:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
 
+    steps: list[list] = []  # [prompt tokens, decode rows, seconds] of the steps since the last state
+
     def send(updates):
-        outbox.send(ipc.encode(ipc.Outputs(name, updates, _state(engine))))
+        state = _state(engine)
+        state.steps = steps[-64:]
+        steps.clear()
+        outbox.send(ipc.encode(ipc.Outputs(name, updates, state)))
+
+    probe_s = spec.get("probe_s") or 0.0  # an idle worker probes its speed this often, a size at a time
+    last_work, probes = time.monotonic(), 0
 
     exported: set[str] = set()  # parked requests whose KV went out, held until the frontend releases them
     incoming: list = []  # KV transfers waiting for free pages (this worker's running requests free them)
@@ -188,13 +198,26 @@ def serve(spec: dict) -> int:
         while incoming and install(incoming[0]):  # in arrival order
             incoming.pop(0)
         if engine.has_unfinished_requests():
-            for out in engine.step():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if engine.last_step is not None:
+                steps.append([*engine.last_step, time.perf_counter() - t0])
+            last_work = time.monotonic()
+            for out in outs:
                 req = live.get(out.request_id)
                 if req is None:
                     continue
                 updates.append(_update(req, out, first=req.num_output_tokens == len(out.new_token_ids)))
                 if out.finished:
                     del live[out.request_id]
+        if probe_s and not engine.has_unfinished_requests() and not incoming \
+                and time.monotonic() - last_work >= probe_s:
+            # Idle for a while: a short timed run at one of the profile's sizes (random ids) tells
+            # the router how fast this worker is now, so that one it stopped sending work to while
+            # it was slowed wins work back once it has recovered.
+            steps.extend(profiling.probe(engine, *profiling.PROBES[probes % len(profiling.PROBES)]))
+            probes += 1
+            last_work, changed = time.monotonic(), True
         if updates or busy or changed:
             send(updates)
         for rid in [r for r in engine.parked if r not in exported]:

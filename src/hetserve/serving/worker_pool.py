@@ -51,13 +51,15 @@ MAX_RESTART_BACKOFF_S = 30.0
 class WorkerPool:
     def __init__(self, specs: list[WorkerSpec], model_path: str, model_arg: str, socket_dir: str,
                  needs_profile: set[str], ray_address: str | None, ray_restarts: int, worker_timeout: float,
-                 worker_restarts: int = 0, load_timeout: float = 600.0):
+                 worker_restarts: int = 0, load_timeout: float = 600.0, probe_s: float = 0.0):
         """needs_profile: the --inference-device values whose workers measure a routing profile at
         start-up; ray_restarts: times Ray restarts a dead worker actor, which then rejoins;
         worker_restarts: times a dead local worker is started again (it loads the model anew);
-        load_timeout: how long a restarted one may be silent while it loads."""
+        load_timeout: how long a restarted one may be silent while it loads; probe_s: an idle
+        worker times a short probe run this often, for the router's refined profile (0: never)."""
         self.specs, self.model_path, self.model_arg, self._dir = specs, model_path, model_arg, socket_dir
         self.needs_profile = needs_profile
+        self.probe_s = probe_s
         self.ray_address, self.ray_restarts, self.worker_timeout = ray_address, ray_restarts, worker_timeout
         self.worker_restarts, self.load_timeout = worker_restarts, load_timeout
         self._ctx: zmq.asyncio.Context | None = None
@@ -75,7 +77,7 @@ class WorkerPool:
             spec = {"name": ws.name, "model": self.model_path, "device": ws.device, "dtype": ws.dtype,
                     "threads": pl.threads, "cores": list(pl.cores) if pl.cores else None, "engine": ws.engine,
                     "to_worker": f"ipc://{self._dir}/in{i}", "from_worker": inbox,
-                    "measure_profile": ws.spec in self.needs_profile}
+                    "measure_profile": ws.spec in self.needs_profile, "probe_s": self.probe_s}
             w = WorkerHandle(ws.name, ws)
             if ws.ray:
                 # A remote node resolves the model from its own cache (a registry name is pulled

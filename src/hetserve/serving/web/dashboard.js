@@ -98,10 +98,14 @@ function setField(card, field, text) {
   if (n.textContent !== text) n.textContent = text;
 }
 
-function profileTable(title, rows, xLabel) {
-  return el("table", { class: "mini" }, el("caption", {}, title),
-    el("thead", {}, el("tr", {}, el("th", { scope: "col" }, xLabel), el("th", { scope: "col" }, "tok/s"))),
-    el("tbody", {}, ...(rows || []).map(([x, v]) => el("tr", {}, el("td", {}, fmt(x)), el("td", {}, fmt(v, 0))))));
+// The start-up (or given) rates beside the ones the router prices the worker at now.
+function profileTable(title, rows, now, xLabel) {
+  const current = new Map((now || []).map(([x, v]) => [x, v]));
+  return el("table", { class: "mini" }, el("caption", {}, title + " tok/s"),
+    el("thead", {}, el("tr", {}, el("th", { scope: "col" }, xLabel), el("th", { scope: "col" }, "start-up"),
+      el("th", { scope: "col" }, "now"))),
+    el("tbody", {}, ...(rows || []).map(([x, v]) => el("tr", {}, el("td", {}, fmt(x)), el("td", {}, fmt(v, 0)),
+      el("td", {}, current.has(x) ? fmt(current.get(x), 0) : "–")))));
 }
 
 function renderWorker(card, w) {
@@ -137,12 +141,16 @@ function renderWorker(card, w) {
   const body = card.querySelector('[data-field="profile"]');
   if (body.dataset.sig !== sig) {
     body.dataset.sig = sig;
-    if (!w.profile) body.replaceChildren(el("p", { class: "hint" }, "No profile."));
+    const p = w.profile;
+    const now = (p && p.current) || {};
+    const spread = p && p.spread ? ", rounds within " + pct(p.spread.worst) : "";
+    if (!p) body.replaceChildren(el("p", { class: "hint" }, "No profile."));
     else body.replaceChildren(
-      el("p", { class: "hint" }, "Measured on " + (w.profile.device || w.device || "?")),
+      el("p", { class: "hint" }, "Measured on " + (p.device || w.device || "?") + spread +
+        "; now from " + fmt((now.speed || {}).steps || 0) + " steps"),
       el("div", { class: "mini-tables" },
-        profileTable("Prefill", w.profile.prefill, "tokens"),
-        profileTable("Decode", w.profile.decode, "batch")));
+        profileTable("Prefill", p.prefill, now.prefill, "tokens"),
+        profileTable("Decode", p.decode, now.decode, "batch")));
   }
 }
 
