@@ -140,10 +140,10 @@ def probe(engine: EngineCore, kind: str, size: int, seed: int | None = None) -> 
     for p in prompts:
         engine.add_request(Request(f"probe-{rng.getrandbits(48):x}", p, SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
-    steps = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
+    steps, starts = [], []
+    while engine.has_unfinished_requests():  # each step timed start to start, as the worker times them
+        starts.append(time.perf_counter())
         engine.step()
-        if engine.last_step is not None:
-            steps.append([*engine.last_step, time.perf_counter() - t0])
-    return steps
+        steps.append(engine.last_step)
+    starts.append(time.perf_counter())
+    return [[*step, end - start] for step, start, end in zip(steps, starts, starts[1:]) if step is not None]

@@ -136,6 +136,9 @@ def serve(spec: dict) -> int:
 
     probe_s = spec.get("probe_s") or 0.0  # an idle worker probes its speed this often, a size at a time
     last_work, probes = time.monotonic(), 0
+    # The step being timed, reported with the next one's start: a worker whose core is shared with
+    # another process loses its time between steps too, and short steps alone would not show it.
+    timed: tuple | None = None
 
     exported: set[str] = set()  # parked requests whose KV went out, held until the frontend releases them
     incoming: list = []  # KV transfers waiting for free pages (this worker's running requests free them)
@@ -199,9 +202,10 @@ def serve(spec: dict) -> int:
             incoming.pop(0)
         if engine.has_unfinished_requests():
             t0 = time.perf_counter()
+            if timed is not None:  # the previous step, start to start: time off the CPU between steps counts
+                steps.append([*timed[0], t0 - timed[1]])
             outs = engine.step()
-            if engine.last_step is not None:
-                steps.append([*engine.last_step, time.perf_counter() - t0])
+            timed = (engine.last_step, t0) if engine.last_step is not None else None
             last_work = time.monotonic()
             for out in outs:
                 req = live.get(out.request_id)
@@ -210,6 +214,9 @@ def serve(spec: dict) -> int:
                 updates.append(_update(req, out, first=req.num_output_tokens == len(out.new_token_ids)))
                 if out.finished:
                     del live[out.request_id]
+        if timed is not None and not engine.has_unfinished_requests():  # the last step of a busy spell
+            steps.append([*timed[0], time.perf_counter() - timed[1]])
+            timed = None
         if probe_s and not engine.has_unfinished_requests() and not incoming \
                 and time.monotonic() - last_work >= probe_s:
             # Idle for a while: a short timed run at one of the profile's sizes (random ids) tells
