@@ -116,14 +116,10 @@ class Speed:
         self.prefill = [1.0] * len(profile.prefill)
         self.decode = [1.0] * len(profile.decode)
         self.steps = 0
-
-    def current(self) -> Profile:
-        p = self.profile
-        return Profile([(x, y * f) for (x, y), f in zip(p.prefill, self.prefill)],
-                       [(x, y * f) for (x, y), f in zip(p.decode, self.decode)], p.device, p.model)
+        self.current = profile  # the profile at the current factors, rebuilt when they move
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
-        now = self.current()
+        now = self.current
         parts = {"prefill": (prompt_tokens / now.prefill_rate(prompt_tokens), self.prefill, now.prefill,
                              prompt_tokens) if prompt_tokens else None,
                  "decode": (decode_rows / now.decode_rate(decode_rows), self.decode, now.decode, decode_rows)
@@ -142,6 +138,9 @@ class Speed:
                 move = (expected / seconds) ** (w * share * predicted / expected)
                 move = min(max(move, 1 / self.max_move), self.max_move)
                 factors[i] = min(max(factors[i] * move, lo), hi)
+        p = self.profile
+        self.current = Profile([(x, y * f) for (x, y), f in zip(p.prefill, self.prefill)],
+                               [(x, y * f) for (x, y), f in zip(p.decode, self.decode)], p.device, p.model)
 
     def to_json(self) -> dict:
         return {"prefill": [[x, round(f, 4)] for (x, _), f in zip(self.profile.prefill, self.prefill)],
@@ -231,7 +230,6 @@ class WorkerView:
 
     def __post_init__(self) -> None:
         self.speed = Speed(self.profile)  # now against the profile (refined from its steps)
-        self._current = self.profile
 
     def rejoin(self) -> None:
         """A restarted worker: alive again, nothing cached, nothing placed, its speed unknown again."""
@@ -239,23 +237,21 @@ class WorkerView:
         self.cached.clear()
         self.requests.clear()
         self.speed = Speed(self.profile)
-        self._current = self.profile
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """A step the worker ran (or an idle probe's): its speed follows (see Speed)."""
         if self.refine:
             self.speed.observe(prompt_tokens, decode_rows, seconds)
-            self._current = self.speed.current()
 
     def prefill_rate(self, tokens: int) -> float:
-        return self._current.prefill_rate(tokens)
+        return self.speed.current.prefill_rate(tokens)
 
     def decode_rate(self, batch: int) -> float:
-        return self._current.decode_rate(batch)
+        return self.speed.current.decode_rate(batch)
 
     def current_profile(self) -> Profile:
         """The start-up profile at the speed the worker runs now."""
-        return self._current
+        return self.speed.current
 
     def cached_tokens(self, prompt_ids: list[int], cache_salt: str | None = None,
                       hashes: list[bytes] | None = None) -> int:
