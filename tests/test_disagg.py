@@ -8,6 +8,7 @@ from test_routing_server import one_thread
 
 from hetserve.core.loading import load_engine
 from hetserve.core.request import Request, RequestStatus
+from hetserve.layers import kv_quant
 from hetserve.disagg import KVExport, NoRoomYet, TransferError, export_request, import_request
 from hetserve.sampling_params import SamplingParams
 
@@ -40,8 +41,9 @@ def run_split(a, b, prompts, p) -> tuple[list[list[int]], list[KVExport]]:
     exports, moved = [], []
     for r in reqs:
         x = export_request(a, r.request_id)
-        itemsize = torch.finfo(getattr(torch, x.dtype)).bits // 8  # the sender's cache (fp16 by default)
-        assert x.nbytes == 2 * len(x.k) * x.num_computed_tokens * x.num_kv_heads * x.head_dim * itemsize
+        dtype = getattr(torch, x.dtype)  # the sender's cache (fp16 by default; int8: q8_0 rows)
+        row = kv_quant.row_elems(dtype, x.head_dim) * dtype.itemsize
+        assert x.nbytes == 2 * len(x.k) * x.num_computed_tokens * x.num_kv_heads * row
         moved.append(import_request(b, KVExport(**x.to_dict())))
         assert a.abort(r.request_id, RequestStatus.FINISHED_STOPPED)
         exports.append(x)

@@ -113,12 +113,13 @@ def write_tiny_gguf(
     chat_template: str = CHATML_TEMPLATE,
     qtypes: tuple[str, ...] = (),
     fim: bool = False,
+    rope_scaling: dict | None = None,
 ) -> str:
     """Write the model; returns the path. Weights ~ N(0, scale); some matrices stored as Q8_0 / F16.
     noise > 0 adds N(0, noise * scale) to every matrix of the seed's model: a related model (a
     speculative draft that agrees with the noise-free one on some tokens). qtypes: GGML types the
     layers' matrices take in turn instead (Q5_K needs widths that are multiples of 256). fim: the
-    vocabulary has Qwen2.5-Coder's fill-in-the-middle tokens too."""
+    vocabulary has Qwen2.5-Coder's fill-in-the-middle tokens too. rope_scaling: rope.scaling.* keys."""
     pre = "qwen2" if arch == "qwen2" else "llama-bpe"
     tokens, merges = _bpe_vocab(pre)
     specials = SPECIALS + (FIM_SPECIALS if fim else [])
@@ -150,6 +151,9 @@ def write_tiny_gguf(
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(arch == "llama")
     w.add_chat_template(chat_template)
+    for key, value in (rope_scaling or {}).items():  # {"type": "yarn", "factor": 4.0, ...}: rope.scaling.*
+        (w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32)(
+            f"{arch}.rope.scaling.{key}", value)
 
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_heads

@@ -21,11 +21,15 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests running at once",
     "page_size": "tokens per KV page",
     "kv_cache_memory": "memory for the KV cache, e.g. 2GiB",
-    "kv_cache_dtype": "the KV cache's element type: float32, float16, bfloat16, or auto (float16 on CPUs running "
-                      "the native kernels with quantized weights, as llama.cpp; else the model's dtype). A 16-bit "
-                      "cache holds twice the tokens in --kv-cache-memory and decode reads half the bytes of context",
+    "kv_cache_dtype": "the KV cache's element type: float32, float16, bfloat16, int8, or auto (float16 on CPUs "
+                      "running the native kernels with quantized weights, as llama.cpp; else the model's dtype). A "
+                      "16-bit cache holds twice the tokens in --kv-cache-memory and decode reads half the bytes of "
+                      "context; int8 (llama.cpp's q8_0 blocks: an fp16 scale per 32 values) 0.53x fp16's",
     "scheduling_policy": "fcfs or shortest-prefill-first",
     "max_model_len": "context limit (default: the model's)",
+    "rope_scaling": "positions past the training context: yarn:factor=4,original_context=32768 (Qwen2.5's 128k), "
+                    "linear:factor=F, or none (the file's own); also beta_fast=, beta_slow=, attention_factor=. "
+                    "Static, as vLLM's: it applies to short prompts too",
     "kv_cache": "KV layout: paged, or contiguous (prompt + max_tokens reserved per request, for comparison)",
     "deterministic": "greedy output independent of batch neighbours and prefill chunking (slower)",
     "enable_prefix_caching": "reuse the KV pages of earlier prompts with the same prefix",

@@ -7,7 +7,7 @@ its own caches, and a buffer larger than the last-level cache is written between
 repeats one layer's call with its K and V in cache: what the arithmetic alone costs. Reported:
 microseconds a layer (median and minimum of --repeats) and the K and V bytes read over that time,
 for each --kv-dtypes (the cache's element type: float16 / bfloat16 pages hold half the bytes and
-are widened to fp32 as they are read).
+are widened to fp32 as they are read; int8 pages, q8_0 rows, 0.53x fp16's).
 The head shape comes from the model file (no weights are loaded); pages are consecutive, as the
 block pool hands them to one request.
 
@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..flags import add_model_flag
+from ..layers.kv_quant import quantize, read, row_elems
 
 PAGE = 16
 FLUSH_BYTES = 512 << 20  # past every last-level cache seen here (one VM reports 480 MiB)
@@ -42,6 +43,12 @@ def head_shape(model: str) -> dict:
     return {"layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
+def _cache(slots: int, kv_heads: int, head_dim: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Random K or V rows in a cache of `dtype` (int8: q8_0 rows)."""
+    x = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    return quantize(x) if dtype == torch.int8 else x.to(dtype)
+
+
 def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict:
     """Times of attend_rows over `n` tokens of a `dtype` cache: cold (every layer's caches, `flush`
     written between passes) and warm (layer 0's call repeated)."""
@@ -51,8 +58,7 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch
     H, KVH, D, L = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
     pages = (n + PAGE - 1) // PAGE
     gen = torch.Generator().manual_seed(n)
-    caches = [(torch.randn(pages * PAGE, KVH, D, generator=gen).to(dtype),
-               torch.randn(pages * PAGE, KVH, D, generator=gen).to(dtype)) for _ in range(L)]
+    caches = [(_cache(pages * PAGE, KVH, D, gen, dtype), _cache(pages * PAGE, KVH, D, gen, dtype)) for _ in range(L)]
     q, out = torch.randn(1, H, D, generator=gen), torch.empty(1, H * D)
     meta = (torch.tensor([0]), torch.tensor([n]), torch.arange(pages).view(1, -1).contiguous(), PAGE, D ** -0.5)
     cold, warm = [], []
@@ -68,7 +74,7 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch
         t = time.perf_counter()
         k.attend_rows(q, kc, vc, out, *meta)
         warm.append(time.perf_counter() - t)
-    kv_bytes = 2 * n * KVH * D * dtype.itemsize
+    kv_bytes = 2 * n * KVH * row_elems(dtype, D) * dtype.itemsize
     row = {"kv_dtype": str(dtype).removeprefix("torch."), "context": n, "kv_bytes_per_layer": kv_bytes}
     for name, ts in (("cold", cold), ("warm", warm)):
         row[f"{name}_us"] = round(statistics.median(ts) * 1e6, 1)
@@ -87,7 +93,7 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
     H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
     gen = torch.Generator().manual_seed(t * 7 + c)
     q = torch.randn(t, H, D, generator=gen)
-    kc, vc = (torch.randn(c, KVH, D, generator=gen).to(dtype) for _ in range(2))
+    kc, vc = (_cache(c, KVH, D, gen, dtype) for _ in range(2))
     out = torch.empty(t, H * D)
     mask = None if t == c else torch.ones(t, c, dtype=torch.bool).tril(c - t)
 
@@ -95,8 +101,9 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
         k.attend_chunk(q, kc, vc, out, D ** -0.5)
 
     def sdpa():  # as layers/attention.py runs a chunk without the extension
-        F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.float().transpose(0, 1)[None],
-                                       vc.float().transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], read(kc, torch.float32).transpose(0, 1)[None],
+                                       read(vc, torch.float32).transpose(0, 1)[None], attn_mask=mask,
+                                       is_causal=mask is None,
                                        scale=D ** -0.5, enable_gqa=True)
 
     times = {"native": [], "sdpa": []}
@@ -118,6 +125,8 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
 def main(args) -> int:
     from ..layers.dtypes import DTYPES
     from ..layers.native import describe
+
+    DTYPES = {**DTYPES, "int8": torch.int8}
 
     shape = head_shape(args.model)
     contexts = sorted({int(c) for c in args.contexts.split(",")})
@@ -152,7 +161,8 @@ def add_parser(sub) -> None:
     add_model_flag(p)
     p.add_argument("--contexts", default="128,600,2000")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--kv-dtypes", default="float32", help="comma-separated cache dtypes: float32, float16, bfloat16")
+    p.add_argument("--kv-dtypes", default="float32",
+                   help="comma-separated cache dtypes: float32, float16, bfloat16, int8")
     p.add_argument("--chunks", default="512:512,512:2048",
                    help="prefill chunks to time, T:C (the last T of C context tokens) comma-separated; empty: none")
     p.add_argument("--out", default=None)

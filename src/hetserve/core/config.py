@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+from ..models.config import RopeScaling
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
 
-# --kv-cache-dtype: auto (core/loading.auto_kv_dtype decides), or one of layers/dtypes.DTYPES' names.
-KV_CACHE_DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+# --kv-cache-dtype: auto (core/loading.auto_kv_dtype decides), one of layers/dtypes.DTYPES' names, or
+# int8 (q8_0 rows, layers/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "int8", "q8_0")
 
 
 def parse_bytes(value: str | int) -> int:
@@ -32,9 +35,10 @@ class EngineConfig:
     max_num_seqs: int = 8
     page_size: int = 16
     kv_cache_memory: str = "1GiB"
-    kv_cache_dtype: str = "auto"  # float32, float16, bfloat16; auto: fp16 with quantized CPU weights, else the model's
+    kv_cache_dtype: str = "auto"  # float32, float16, bfloat16, int8; auto: fp16 with quantized CPU weights, else the model's
     scheduling_policy: str = "fcfs"  # or shortest-prefill-first
     max_model_len: int | None = None  # default: the model's context length
+    rope_scaling: str | None = None  # yarn:factor=4,original_context=32768 (default: the file's own)
     kv_cache: str = "paged"  # or contiguous: each request reserves prompt + max_tokens up front
     deterministic: bool = False  # batch- and chunking-invariant greedy output
     enable_prefix_caching: bool = True
@@ -94,6 +98,7 @@ class EngineConfig:
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:
             raise ValueError(f"quant_max_rows must be a non-negative integer, got {self.quant_max_rows!r}")
         parse_bytes(self.kv_cache_memory)
+        RopeScaling.parse(self.rope_scaling)
         self._check_speculative()
 
     def _check_speculative(self) -> None:

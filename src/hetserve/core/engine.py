@@ -30,9 +30,10 @@ class RequestRejected(ValueError):
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, num_pages: int,
-                       page_size: int) -> int:
+                       page_size: int, bytes_per_token: int = 0) -> int:
     """Resolve max_tokens (None = up to the context or the KV pool) and reject, with the numbers,
-    a request that can never fit. The server's frontend applies the same rule before sending."""
+    a request that can never fit. The server's frontend applies the same rule before sending.
+    bytes_per_token: the KV cache's, for the memory the request would need in the error."""
     if prompt_len == 0:
         raise RequestRejected("the prompt is empty")
     capacity = num_pages * page_size
@@ -44,9 +45,13 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's "
             f"context of {max_model_len} tokens")
     if total > capacity:
+        need = ""
+        if bytes_per_token:
+            pages = -(-total // page_size)
+            need = f" to at least {-(-pages * page_size * bytes_per_token // 2**20)}MiB"
         raise RequestRejected(
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV cache of "
-            f"{capacity} tokens ({num_pages} pages of {page_size}); raise --kv-cache-memory")
+            f"{capacity} tokens ({num_pages} pages of {page_size}); raise --kv-cache-memory{need}")
     if max_tokens < 1:
         raise RequestRejected(f"prompt ({prompt_len} tokens) leaves no room to generate within {max_model_len}")
     return max_tokens
@@ -64,6 +69,7 @@ class EngineCore:
         per_page = (model.kv_bytes_per_token() + (draft_model.kv_bytes_per_token() if draft_model else 0)) \
             * config.page_size
         num_pages = parse_bytes(config.kv_cache_memory) // per_page
+        self.kv_bytes_per_token = per_page // config.page_size
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no page of {per_page} bytes")
         for m in (model, draft_model) if draft_model else (model,):
@@ -101,7 +107,7 @@ class EngineCore:
     # -- admission -----------------------------------------------------------------------------
     def max_tokens_for(self, prompt_len: int, max_tokens: int | None) -> int:
         return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, self.pool.num_blocks,
-                                  self.pool.page_size)
+                                  self.pool.page_size, self.kv_bytes_per_token)
 
     def add_request(self, req: Request, prefill_only: bool = False) -> None:
         """prefill_only: stop after the prefill and the first token and park the request with its

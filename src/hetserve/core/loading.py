@@ -19,6 +19,7 @@ from ..layers.prefill_formats import resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
 from ..models.decoder import DecoderModel
+from ..models.config import RopeScaling
 from ..models.gguf_loader import GGUFFile
 from ..models.tokenizer import Tokenizer
 from ..speculative.proposer import check_same_vocab, draft_vocab_ids
@@ -67,7 +68,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         # 152k vocabulary, so it must be done before requests decode).
         grammars = GrammarCompiler(tokenizer.to_json(), _logit_rows(f), tokenizer.stop_token_ids)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
-        decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f, gemm_weights=gemm_weights)
+        decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f, gemm_weights=gemm_weights,
+                                         rope_scaling=RopeScaling.parse(config.rope_scaling))
     draft = None
     if config.speculative_model:
         draft_path = registry.resolve(config.speculative_model)
@@ -77,8 +79,9 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
             draft_types = [int(t) for t in f.metadata.get("tokenizer.ggml.token_type") or [1] * len(draft_tokens)]
             check_same_vocab(target_tokens, draft_tokens, len(target_tokens), len(draft_tokens),
                              config.speculative_model)
+            # The draft reaches the target's positions the same way (Qwen2.5's 0.5B and 1.5B: YaRN).
             draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f,
-                                           gemm_weights=gemm_weights)
+                                           gemm_weights=gemm_weights, rope_scaling=RopeScaling.parse(config.rope_scaling))
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)
@@ -118,6 +121,8 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
 
 
 def _kv_dtype(config: EngineConfig, model: DecoderModel) -> torch.dtype:
+    if config.kv_cache_dtype in ("int8", "q8_0"):
+        return torch.int8
     if config.kv_cache_dtype != "auto":
         return DTYPES[config.kv_cache_dtype]
     return auto_kv_dtype(model.fused is not None, model.dtype, config.weight_format)

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.request import Request, RequestStatus
+from ..layers import kv_quant
 from ..sampling_params import SamplingParams
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 class TransferError(RuntimeError):
@@ -54,7 +55,8 @@ class KVExport:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    k: list[bytes] = field(default_factory=list)  # per layer: [num_computed_tokens, kv_heads, head_dim]
+    # per layer: [num_computed_tokens, kv_heads, head_dim] (int8: q8_0 rows of head_dim / 32 * 34)
+    k: list[bytes] = field(default_factory=list)
     v: list[bytes] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # full pages of the computed tokens
     generator_state: bytes | None = None  # seeded sampling continues the same random stream
@@ -96,12 +98,11 @@ def export_request(engine, request_id: str) -> KVExport:
     return KVExport(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
                     req.params.to_wire(),
                     req.cache_salt, n, ps, str(k0.dtype).removeprefix("torch."), len(engine.runner.kv_caches),
-                    k0.shape[1], k0.shape[2], ks, vs, list(hashes), gen, req.num_cached_tokens)
+                    k0.shape[1], engine.model.config.head_dim, ks, vs, list(hashes), gen, req.num_cached_tokens)
 
 
 def _tensor(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    itemsize = torch.finfo(dtype).bits // 8
-    want = itemsize
+    want = dtype.itemsize
     for s in shape:
         want *= s
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != want:
@@ -116,9 +117,12 @@ def check(engine, x: KVExport) -> None:
     k0 = cache[0][0]
     if x.dtype not in DTYPES:
         raise TransferError(f"unknown KV dtype {x.dtype!r}")
-    if (x.num_layers, x.num_kv_heads, x.head_dim) != (len(cache), k0.shape[1], k0.shape[2]):
+    head_dim = engine.model.config.head_dim
+    if (x.num_layers, x.num_kv_heads, x.head_dim) != (len(cache), k0.shape[1], head_dim):
         raise TransferError(f"KV layout {x.num_layers} layers x {x.num_kv_heads} heads x {x.head_dim} does not "
-                            f"match this model's {len(cache)} x {k0.shape[1]} x {k0.shape[2]}")
+                            f"match this model's {len(cache)} x {k0.shape[1]} x {head_dim}")
+    if DTYPES[x.dtype] == torch.int8 and head_dim % kv_quant.BLOCK:
+        raise TransferError(f"an int8 KV payload needs a head size that is a multiple of {kv_quant.BLOCK}")
     if len(x.k) != x.num_layers or len(x.v) != x.num_layers:
         raise TransferError("need one K and one V buffer per layer")
     if not 0 < x.num_computed_tokens <= len(x.prompt_token_ids) + len(x.output_token_ids) - 1:
@@ -145,8 +149,8 @@ def import_request(engine, x: KVExport, now: float | None = None) -> Request:
         req.generator = torch.Generator()
         req.generator.set_state(torch.frombuffer(bytearray(x.generator_state), dtype=torch.uint8))
     n = x.num_computed_tokens
-    shape = (n, x.num_kv_heads, x.head_dim)
     src_dtype = DTYPES[x.dtype]
+    shape = (n, x.num_kv_heads, kv_quant.row_elems(src_dtype, x.head_dim))
     cache = engine.runner.kv_caches
     ks = [_tensor(b, src_dtype, shape, f"layer {i} K") for i, b in enumerate(x.k)]
     vs = [_tensor(b, src_dtype, shape, f"layer {i} V") for i, b in enumerate(x.v)]
@@ -170,8 +174,9 @@ def import_request(engine, x: KVExport, now: float | None = None) -> Request:
     slots = _slots(req.block_ids, ps, n).to(cache[0][0].device)
     with torch.inference_mode():
         for (k_cache, v_cache), k, v in zip(cache, ks, vs):
-            k_cache[slots] = k.to(device=k_cache.device, dtype=k_cache.dtype)
-            v_cache[slots] = v.to(device=v_cache.device, dtype=v_cache.dtype)
+            for rows, dst, keys in ((k, k_cache, True), (v, v_cache, False)):
+                # the sender's rows as they are, or converted to this cache's dtype
+                dst[slots] = (rows if rows.dtype == dst.dtype else kv_quant.convert(rows, dst.dtype, keys)).to(dst.device)
     req.num_computed_tokens = n
     req.num_cached_tokens = x.num_cached_tokens
     req.status = RequestStatus.RUNNING

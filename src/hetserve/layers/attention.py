@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
+from . import kv_quant
 
 
 @dataclass
@@ -117,8 +118,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              meta: AttentionMetadata) -> None:
     """k, v: [T, kv_heads, d], scattered into their slots."""
     with trace.span("kv-write"):
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        kv_quant.write(k, k_cache, meta.slot_mapping)
+        kv_quant.write(v, v_cache, meta.slot_mapping)
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -155,8 +156,9 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
             native.attend_chunk(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values,
                                 out[s.q_start:s.q_start + s.q_len], scale)
             continue
-        keys = keys.to(q.dtype).transpose(0, 1)  # [kvh, C, d], a strided view when read in place
-        values = values.to(q.dtype).transpose(0, 1)
+        dt = chunk_dtype if s.q_len > 1 and chunk_dtype else q.dtype
+        keys = kv_quant.read(keys, dt).transpose(0, 1)  # [kvh, C, d], a strided view when read in place
+        values = kv_quant.read(values, dt).transpose(0, 1)
         rows = q[s.q_start:s.q_start + s.q_len]
         if meta.per_query and s.q_len > 1:
             first = s.ctx_len - s.q_len
@@ -170,9 +172,8 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
             # context (the mask is then SDPA's top-left triangle): 25% faster than the folded
             # query with a repeated mask on the 0.5B's 512-token chunks, the same values.
             causal = s.q_len == s.ctx_len
-            dt = chunk_dtype or q.dtype
-            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None].to(dt), keys[None].to(dt),
-                                               values[None].to(dt), attn_mask=None if causal else s.mask,
+            o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None].to(dt), keys[None],
+                                               values[None], attn_mask=None if causal else s.mask,
                                                is_causal=causal, scale=scale, enable_gqa=True)[0]
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1).reshape(s.q_len, -1)
             continue

@@ -23,7 +23,34 @@ def inv_frequencies(head_dim: int, theta: float, scaling=None, freq_factors: tor
         scaled = torch.where(wavelen > low_wl, inv / scaling.factor, inv)
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         inv = torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    elif scaling is not None and scaling.kind == "yarn":
+        inv = _yarn(inv, head_dim, theta, scaling)
     return inv
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, scaling) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, as HF transformers computes it): dimensions that turn more than
+    beta_fast times over the original context keep their frequency, those turning fewer than
+    beta_slow times are interpolated by the factor, a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(scaling.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_of(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv / scaling.factor * ramp + inv * (1 - ramp)
+
+
+def attention_factor(scaling) -> float:
+    """The scale YaRN puts on cos and sin (so on every attention score, squared): 0.1 ln(factor) +
+    1 unless the scaling names its own; 1 for the other kinds."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
 
 
 class RotaryEmbedding:
@@ -36,6 +63,7 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling=None, freq_factors=None):
         self.inv = inv_frequencies(head_dim, theta, scaling, freq_factors)
+        self.scale = attention_factor(scaling) if freq_factors is None else 1.0
         self.max_position = max_position
         self.cos = self.sin = torch.empty(0, head_dim // 2)
         self.reserve(min(max_position, 4096))
@@ -48,8 +76,8 @@ class RotaryEmbedding:
             raise ValueError(f"position {positions - 1} is past the model's context ({self.max_position})")
         n = min(self.max_position, max(positions, 2 * self.cos.shape[0]))
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv)
-        self.cos = freqs.cos().to(self.cos.device)  # [n, head_dim/2]
-        self.sin = freqs.sin().to(self.sin.device)
+        self.cos = (freqs.cos() * self.scale).to(self.cos.device)  # [n, head_dim/2]
+        self.sin = (freqs.sin() * self.scale).to(self.sin.device)
 
     def to(self, device) -> "RotaryEmbedding":
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)

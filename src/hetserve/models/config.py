@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 SUPPORTED_ARCHS = ("qwen2", "llama")
@@ -13,13 +14,63 @@ class ModelConfigError(ValueError):
     pass
 
 
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: str  # "linear" | "llama3"
+    """How positions past the training context are reached (layers/rotary.py computes each)."""
+
+    kind: str  # "linear" | "llama3" | "yarn"
     factor: float
     original_context: int = 8192
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: 0.1 ln(factor) + 1, as the paper)
+
+    @property
+    def context(self) -> int:
+        """The positions this scaling reaches: the original context times the factor."""
+        return int(self.original_context * self.factor)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "RopeScaling | None":
+        """--rope-scaling: `yarn:factor=4,original_context=32768` (Qwen2.5's 128k), `linear:factor=2`,
+        `none` (the file's own, or none). ValueError naming what is wrong."""
+        if text is None or text.strip().lower() in ("", "none", "file"):
+            return None
+        kind, _, rest = text.strip().partition(":")
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"rope scaling {text!r}: the kind is one of {', '.join(ROPE_SCALINGS)} "
+                             "(as yarn:factor=4,original_context=32768)")
+        known = {"factor": float, "original_context": int, "low_freq_factor": float, "high_freq_factor": float,
+                 "beta_fast": float, "beta_slow": float, "attention_factor": float}
+        values: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or key.strip() not in known:
+                raise ValueError(f"rope scaling {text!r}: {item!r} is not one of {', '.join(k + '=' for k in known)}")
+            try:
+                values[key.strip()] = known[key.strip()](value.strip())
+            except ValueError:
+                raise ValueError(f"rope scaling {text!r}: {key.strip()} must be a number, got {value.strip()!r}") from None
+        if "factor" not in values:
+            raise ValueError(f"rope scaling {text!r}: factor= is required")
+        scaling = cls(kind=kind, **values)
+        scaling.check(text)
+        return scaling
+
+    def check(self, where: str) -> None:
+        if not (1.0 <= self.factor <= 1024.0):
+            raise ValueError(f"{where}: rope scaling factor {self.factor} is outside 1 .. 1024")
+        if not 1 <= self.original_context <= MAX_POSITIONS or self.context > MAX_POSITIONS:
+            raise ValueError(f"{where}: rope scaling reaches {self.context} positions, outside 1 .. {MAX_POSITIONS}")
+        if self.kind == "yarn" and not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(f"{where}: yarn needs 0 < beta_slow < beta_fast")
+        if self.attention_factor is not None and not 0 < self.attention_factor <= 10:
+            raise ValueError(f"{where}: attention_factor {self.attention_factor} is outside (0, 10]")
 
 
 @dataclass(frozen=True)
@@ -74,12 +125,25 @@ class ModelConfig:
                                    "(RoPE positions are exact float32 up to 2**24)")
         scaling = None
         kind = md.get(f"{arch}.rope.scaling.type")
-        if kind in ("linear", "llama3") and float(get("rope.scaling.factor", 1.0, kind=float)) != 1.0:
+        if kind in ROPE_SCALINGS and float(get("rope.scaling.factor", 1.0, kind=float)) != 1.0:
+            # llama.cpp's key names; a yarn file's attention factor and betas where it carries them.
+            yarn = {k: float(get(f"rope.scaling.yarn_{k}", None, required=False, kind=float))
+                    for k in ("beta_fast", "beta_slow") if md.get(f"{arch}.rope.scaling.yarn_{k}") is not None}
+            if md.get(f"{arch}.rope.scaling.attn_factor") is not None:  # llama.cpp's: times YaRN's own
+                factor = float(get("rope.scaling.factor", kind=float))
+                yarn["attention_factor"] = float(get("rope.scaling.attn_factor", kind=float)) * (
+                    0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
             scaling = RopeScaling(
                 kind=kind,
                 factor=float(get("rope.scaling.factor", kind=float)),
-                original_context=get("rope.scaling.original_context_length", 8192, required=False),
+                original_context=get("rope.scaling.original_context_length", 8192 if kind != "yarn" else max_position,
+                                     required=False),
+                **(yarn if kind == "yarn" else {}),
             )
+            try:
+                scaling.check(path)
+            except ValueError as e:
+                raise ModelConfigError(str(e)) from None
         cfg = cls(
             arch=arch,
             name=str(md.get("general.name", arch)),
@@ -99,6 +163,15 @@ class ModelConfig:
         )
         cfg._check_shapes(path, tensors)
         return cfg
+
+    def with_rope_scaling(self, scaling: RopeScaling | None) -> "ModelConfig":
+        """This config under --rope-scaling (None: unchanged). Linear and YaRN scaling reach the
+        original context times the factor, so the positions grow to that where the file declares
+        fewer (Qwen2.5: 32768 x 4 = 131072)."""
+        if scaling is None:
+            return self
+        positions = self.max_position if scaling.kind == "llama3" else max(self.max_position, scaling.context)
+        return replace(self, rope_scaling=scaling, max_position=positions)
 
     def _check_shapes(self, path: str, tensors: Mapping[str, Any]) -> None:
         """Every tensor the model reads exists with the shape the hyper-parameters imply."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from .. import trace
-from ..layers import native
+from ..layers import kv_quant, native
 from ..layers.attention import AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
@@ -37,7 +37,7 @@ from ..layers.weight_formats import (
     stack,
 )
 from . import native_layers
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .gguf_loader import GGUFFile
 from .gguf_quants import (
     FIVE_BIT_BLOCK_TYPES,
@@ -158,15 +158,17 @@ class DecoderModel:
 
     @classmethod
     def from_gguf(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  gguf_file: GGUFFile | None = None, gemm_weights: bool = True) -> "DecoderModel":
+                  gguf_file: GGUFFile | None = None, gemm_weights: bool = True,
+                  rope_scaling: RopeScaling | None = None) -> "DecoderModel":
         """gemm_weights=False: the linears' weights are meta tensors of their shape, not fp32
         copies, for a model whose linears get quantized weights: quantize_weights then builds them
         from the file's blocks, and the GEMM copies a prefill format wants load later, one linear
         at a time (use_gemm_dtype), or never (`--prefill-format kernel`): the load never holds the
-        fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual."""
+        fp32 model (the 1.5B's 6 GB). Embedding, norms and biases load as usual.
+        rope_scaling: --rope-scaling, in place of the file's own (its rope_freqs.weight included)."""
         t0 = time.perf_counter()
         f = gguf_file or GGUFFile(path)
-        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors)
+        cfg = ModelConfig.from_gguf(str(path), f.metadata, f.tensors).with_rope_scaling(rope_scaling)
         device = torch.device(device)
         policy = MatmulPolicy()
 
@@ -209,7 +211,8 @@ class DecoderModel:
             head.source = (("token_embd.weight", 0),)
         else:
             head = lin("output")
-        factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+        factors = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors and rope_scaling is None \
+            else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, factors).to(device)
         model = cls(cfg, layers, embed, t("output_norm.weight"), head, rope, dtype, device)
         model.path = str(path)
@@ -285,14 +288,17 @@ class DecoderModel:
 
     def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
-        shape = (num_slots, c.num_kv_heads, c.head_dim)
         dt = dtype or self.kv_dtype
+        kv_quant.check_head_dim(dt, c.head_dim)
+        shape = (num_slots, c.num_kv_heads, kv_quant.row_elems(dt, c.head_dim))
         return [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
                 for _ in range(c.num_layers)]
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype or self.kv_dtype).bits // 8
+        dt = dtype or self.kv_dtype
+        kv_quant.check_head_dim(dt, c.head_dim)
+        return 2 * c.num_layers * c.num_kv_heads * kv_quant.row_elems(dt, c.head_dim) * dt.itemsize
 
     def use_fused_ops(self, enable: bool = True, layers: bool = True) -> bool:
         """Whether forward uses the native fused CPU ops (fp32 on a CPU with the extension): one
@@ -379,6 +385,8 @@ class DecoderModel:
         with trace.span("rope"):
             q = RotaryEmbedding.apply(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = RotaryEmbedding.apply(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            if k_cache.dtype == torch.int8:  # the int8 cache's basis (kv_quant.hadamard)
+                q, k = kv_quant.hadamard(q).to(q.dtype), kv_quant.hadamard(k)
         write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
         return q
 

@@ -291,7 +291,8 @@ class Frontend:
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """Resolve max_tokens; ValueError with the numbers if the request can never run."""
         pool = self._largest_pool
-        return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size)
+        return resolve_max_tokens(prompt_len, max_tokens, self.max_model_len, pool.num_pages, pool.page_size,
+                                  pool.kv_bytes_per_token)
 
     def _pick_worker(self, rid: str, prompt_ids: list[int], max_tokens: int, cache_salt: str | None,
                      pin: str | None, auto_split: bool = False,

@@ -1,4 +1,5 @@
-// Attention over the paged KV cache ([slots, KVH, D], fp32 / fp16 / bf16): single query rows
+// Attention over the paged KV cache ([slots, KVH, D], fp32 / fp16 / bf16, or int8 q8_0 rows of
+// D / 32 * 34 bytes, vec.h): single query rows
 // (decodes, speculative verifications, every row in deterministic mode; attend_rows) and the
 // longer chunks of prefill (attend_chunk).
 #include "kernels.h"
@@ -31,7 +32,7 @@ constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass ove
 // A row of D values asked for into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
 template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T0, class T>
 HS_PREFETCH void prefetch_row(const T* row, int64_t D) {
-  for (int64_t l = 0; l < D * static_cast<int64_t>(sizeof(T)); l += 64)
+  for (int64_t l = 0; l < row_elems<T>(D) * static_cast<int64_t>(sizeof(T)); l += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + l, Hint);
 }
 
@@ -77,7 +78,7 @@ inline void score_key(const float* q, const T* kt, int64_t D, float sc, float* p
   __m256 acc[J];
   for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t e = 0; e < D; e += 8) {
-    const __m256 kv = load8(kt + e);
+    const __m256 kv = load_row8(kt, e);
     for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + e), kv, acc[j]);
   }
   for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
@@ -110,7 +111,7 @@ void head_values(const float* p, const T* const* v, int64_t n, int64_t D, float*
         for (int b = 0; b < EB; ++b) acc[j][b] = _mm256_loadu_ps(out + j * D + e + 8 * b);
       for (int64_t t = t0; t < t1; ++t) {
         __m256 vv[EB];
-        for (int b = 0; b < EB; ++b) vv[b] = load8(v[t] + e + 8 * b);
+        for (int b = 0; b < EB; ++b) vv[b] = load_row8(v[t], e + 8 * b);
         for (int j = 0; j < J; ++j) {
           const __m256 pj = _mm256_set1_ps(p[j * n + t]);
           for (int b = 0; b < EB; ++b) acc[j][b] = _mm256_fmadd_ps(pj, vv[b], acc[j][b]);
@@ -132,6 +133,15 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// Values e .. e + 16 of a cache row (e a multiple of 16), as load_row8 reads them.
+template <class T>
+inline __m512 load_row16(const T* row, int64_t e) { return load16(row + e); }
+inline __m512 load_row16(const int8_t* row, int64_t e) {
+  const int8_t* b = row + e / kQ8Block * kQ8Bytes;
+  const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + e % kQ8Block)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
+}
 
 // The avx512 build's passes: 16 lanes a register, each lane the same FMA chain as in the AVX2
 // functions above (the same products, added in the same order, the same horizontal sums), so
@@ -146,7 +156,7 @@ void head_scores_wide(const float* q, const T* const* k, const T* const* v, int6
     __m512 acc[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
-      const __m512 kv = _mm512_insertf32x8(_mm512_castps256_ps512(load8(k[t] + e)), load8(k[t + 1] + e), 1);
+      const __m512 kv = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1);
       for (int j = 0; j < J; ++j)
         acc[j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e)), kv, acc[j]);
     }
@@ -171,7 +181,7 @@ void head_values_wide(const float* p, const T* const* v, int64_t n, int64_t D, f
       for (int j = 0; j < J; ++j)
         for (int b = 0; b < 2; ++b) acc[j][b] = _mm512_loadu_ps(out + j * D + e + 16 * b);
       for (int64_t t = t0; t < t1; ++t) {
-        const __m512 v0 = load16(v[t] + e), v1 = load16(v[t] + e + 16);
+        const __m512 v0 = load_row16(v[t], e), v1 = load_row16(v[t], e + 16);
         for (int j = 0; j < J; ++j) {
           const __m512 pj = _mm512_set1_ps(p[j * n + t]);
           acc[j][0] = _mm512_fmadd_ps(pj, v0, acc[j][0]);
@@ -236,7 +246,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "rows, ctx_lens, tables: contiguous int64");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "q [T, H, D], caches [S, KVH, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), S = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(2) == D && D % 8 == 0 && H % KVH == 0, "head sizes do not match (D a multiple of 8)");
+  TORCH_CHECK(D % 8 == 0 && H % KVH == 0, "head sizes do not match (D a multiple of 8)");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "out [T, H * D] expected");
   const int64_t R = rows.size(0), P = tables.dim() == 2 ? tables.size(1) : 0;
   TORCH_CHECK(ctx_lens.numel() == R && tables.dim() == 2 && tables.size(0) == R && page_size > 0, "one table per row");
@@ -253,6 +263,9 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   const float sc = static_cast<float>(scale);
   with_cache_type(k_cache, [&](auto* type) {
     using C = std::remove_pointer_t<decltype(type)>;
+    const int64_t RE = row_elems<C>(D);
+    TORCH_CHECK(k_cache.size(2) == RE && (!std::is_same_v<C, int8_t> || D % kQ8Block == 0),
+                "the caches' rows do not match the head size (int8: a multiple of 32)");
     const C *kc = static_cast<const C*>(k_cache.data_ptr()), *vc = static_cast<const C*>(v_cache.data_ptr());
     at::parallel_for(0, R * KVH, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> p, acc(g * D);
@@ -265,7 +278,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         krow.resize(n);
         vrow.resize(n);
         for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = ((table[t / page_size] * page_size + t % page_size) * KVH + h) * D;
+          const int64_t off = ((table[t / page_size] * page_size + t % page_size) * KVH + h) * RE;
           krow[t] = kc + off;
           vrow[t] = vc + off;
         }
@@ -368,22 +381,25 @@ void attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   check_cache(k, v);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [T, H, D], k and v [C, KVH, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), C = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(k.size(2) == D && D % 16 == 0 && KVH > 0 && H % KVH == 0, "head sizes do not match (D a multiple of 16)");
+  TORCH_CHECK(D % 16 == 0 && KVH > 0 && H % KVH == 0, "head sizes do not match (D a multiple of 16)");
   TORCH_CHECK(T > 0 && C >= T, "the chunk's queries must be the last of its context");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "out [T, H * D] expected");
   const int64_t g = H / KVH, first = C - T, tiles = (C + kKeys - 1) / kKeys, ld = tiles * kKeys;
   std::vector<float> kt(KVH * tiles * D * kKeys, 0.f), vf(KVH * C * D);
   with_cache_type(k, [&](auto* type) {
     using E = std::remove_pointer_t<decltype(type)>;
+    const int64_t RE = row_elems<E>(D);
+    TORCH_CHECK(k.size(2) == RE && (!std::is_same_v<E, int8_t> || D % kQ8Block == 0),
+                "k and v rows do not match the head size (int8: a multiple of 32)");
     const E *kp = static_cast<const E*>(k.data_ptr()), *vp = static_cast<const E*>(v.data_ptr());
     at::parallel_for(0, KVH * C, 256, [&](int64_t i0, int64_t i1) {
       alignas(32) float row[8];
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t h = i / C, t = i % C, src = (t * KVH + h) * D;
+        const int64_t h = i / C, t = i % C, src = (t * KVH + h) * RE;
         float* tile = kt.data() + ((h * tiles + t / kKeys) * D) * kKeys + t % kKeys;
         for (int64_t e = 0; e < D; e += 8) {
-          _mm256_storeu_ps(vf.data() + (h * C + t) * D + e, load8(vp + src + e));
-          _mm256_store_ps(row, load8(kp + src + e));
+          _mm256_storeu_ps(vf.data() + (h * C + t) * D + e, load_row8(vp + src, e));
+          _mm256_store_ps(row, load_row8(kp + src, e));
           for (int j = 0; j < 8; ++j) tile[(e + j) * kKeys] = row[j];
         }
       }

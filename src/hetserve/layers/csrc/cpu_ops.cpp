@@ -87,16 +87,19 @@ inline void rotate(const float* x, const float* c, const float* s, float* out, i
 namespace hetserve {
 
 // qkv [T, (H + 2 KVH) * D] from the fused projection; cos, sin [T, D/2]. Rotates q and k, writes
-// k and v into the caches [slots, KVH, D] at slot_mapping [T] (rounded to the caches' dtype);
+// k and v into the caches [slots, KVH, D] at slot_mapping [T] (rounded to the caches' dtype; int8
+// caches [slots, KVH, D / 32 * 34] take q8_0 rows, K and q turned by hadamard_blocks, vec.h);
 // returns q [T, H, D].
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots, int64_t heads) {
   for (auto* t : {&qkv, &cos, &sin}) check_f32(*t, "qkv, cos and sin");
   check_cache(k_cache, v_cache);
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: int64 [T]");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches [slots, kv_heads, head_dim]");
-  const int64_t T = qkv.size(0), KVH = k_cache.size(1), D = k_cache.size(2), half = D / 2, S = k_cache.size(0);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * KVH) * D && D % 2 == 0, "qkv width does not match");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches [slots, kv_heads, row]");
+  const int64_t T = qkv.size(0), KVH = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && heads > 0 && qkv.size(1) % (heads + 2 * KVH) == 0, "qkv width does not match");
+  const int64_t D = qkv.size(1) / (heads + 2 * KVH), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "odd head size");
   TORCH_CHECK(cos.numel() == T * half && sin.numel() == T * half && slots.size(0) == T, "cos/sin/slots: one per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
@@ -106,23 +109,30 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   const int64_t W = qkv.size(1);
   with_cache_type(k_cache, [&](auto* type) {
     using C = std::remove_pointer_t<decltype(type)>;
+    const int64_t R = row_elems<C>(D);
+    TORCH_CHECK(k_cache.size(2) == R && (!std::is_same_v<C, int8_t> || D % kQ8Block == 0),
+                "the caches' rows do not match the head size (int8: a multiple of 32)");
     C *kc = static_cast<C*>(k_cache.data_ptr()), *vc = static_cast<C*>(v_cache.data_ptr());
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
       std::vector<float> rotated(D);
       for (int64_t t = t0; t < t1; ++t) {
         const float* row = xp + t * W;
         const float *c = cp + t * half, *s = snp + t * half;
-        for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, qp + (t * heads + h) * D, half);
+        for (int64_t h = 0; h < heads; ++h) {
+          rotate(row + h * D, c, s, qp + (t * heads + h) * D, half);
+          if constexpr (std::is_same_v<C, int8_t>) hadamard_blocks(qp + (t * heads + h) * D, D);
+        }
         for (int64_t h = 0; h < KVH; ++h) {
-          C* k = kc + (sp[t] * KVH + h) * D;
+          C* k = kc + (sp[t] * KVH + h) * R;
           if constexpr (std::is_same_v<C, float>) {
             rotate(row + (heads + h) * D, c, s, k, half);
           } else {
             rotate(row + (heads + h) * D, c, s, rotated.data(), half);
-            convert_row(rotated.data(), k, D);
+            if constexpr (std::is_same_v<C, int8_t>) hadamard_blocks(rotated.data(), D);
+            store_row(rotated.data(), k, D);
           }
+          store_row(row + (heads + KVH + h) * D, vc + (sp[t] * KVH + h) * R, D);
         }
-        convert_row(row + (heads + KVH) * D, vc + sp[t] * KVH * D, KVH * D);
       }
     });
   });
