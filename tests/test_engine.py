@@ -94,6 +94,57 @@ def test_prefill_pacer_sizes_chunks_from_timed_steps():
     assert PrefillPacer(1.0, cap=8, page_size=4).floor == 8  # a budget under the floor is left alone
 
 
+def test_prefill_pacer_sizes_chunks_by_their_depth_of_context():
+    """A chunk deep in a context costs its attention too: the pacer gives it fewer tokens, the
+    most that fit the target by its cost model, and learns the ratio of the two costs from steps
+    whose depths differ (a machine whose attention costs twice the guess)."""
+    from hetserve.core.scheduler import attention_pairs
+
+    p = PrefillPacer(target_s=1.0, cap=512, page_size=16, floor=64, pair_ratio=5e-4)
+    p.observe(512, 0.5, attention_pairs(512, 0))
+    for depth in (0, 4096, 12288, 30000):
+        n = p.tokens(depth, 1.0)
+        assert p.seconds(n, depth) <= 1.0 and (n == 512 or p.seconds(n + 16, depth) > 1.0), depth
+    assert p.tokens(12288, 1.0) < p.tokens(0, 1.0) / 3
+    assert p.tokens(30000, 0.01, first=False) == 0 and p.tokens(30000, 0.01) == 64  # the floor, first chunks only
+    a, r = 1e-3, 1e-3  # the machine's truth: a step's seconds = a (tokens + r pairs)
+    for i in range(40):
+        n, depth = (256, 512, 128)[i % 3], (0, 8000, 20000, 3000)[i % 4]
+        p.observe(n, a * (n + r * attention_pairs(n, depth)), attention_pairs(n, depth))
+    assert abs(p.pair_ratio - r) < 0.05 * r and abs(p.seconds_per_token - a) < 0.05 * a
+    # steps all at the start of their contexts say nothing of r: it stays
+    q = PrefillPacer(1.0, 512, 16, pair_ratio=5e-4)
+    for _ in range(10):
+        q.observe(512, 0.5, attention_pairs(512, 0))
+    assert q.pair_ratio == 5e-4
+
+
+def test_a_deep_chunk_beside_decodes_gets_the_tokens_its_depth_allows(tiny_qwen2):
+    """An agent's next turn: its long prefix is in the prefix cache, so its first chunk starts
+    deep. Beside a decoding stream it gets the tokens the pacer allows at that depth, fewer than
+    the same prompt's first chunk from the start."""
+    llm = make_llm(tiny_qwen2, max_num_batched_tokens=256, max_decode_stall=1.0, page_size=4)
+    eng = llm.engine
+    prefix = [(7 * i) % 390 + 1 for i in range(200)]
+    llm.generate([prefix + [5]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # cached
+    eng.add_request(Request("stream", [9, 8, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)))
+    eng.step()  # its prompt; it decodes from here on
+    pacer = PrefillPacer(target_s=1.0, cap=256, page_size=4, floor=8, pair_ratio=3e-2)
+    pacer.observe(100, 0.1, 0)  # 1 ms a token at the start of a context
+    eng.scheduler.pacer = pacer
+    eng.add_request(Request("turn2", prefix + list(range(20, 270)), SamplingParams(max_tokens=2, temperature=0)))
+    sched = eng.scheduler.schedule()
+    (stream, one), (turn, n) = sched.scheduled
+    assert stream.request_id == "stream" and one == 1 and turn.request_id == "turn2"
+    depth = turn.num_computed_tokens
+    assert depth == 200  # the cached prefix's full pages
+    assert n == pacer.tokens(depth, 1.0) < pacer.tokens(0, 1.0) / 1.5 and n < 250
+    assert sched.num_prompt_pairs == n * depth + n * (n + 1) // 2
+    for r in list(eng.requests):
+        eng.abort(r)
+    assert eng.num_free_pages == eng.pool.num_blocks
+
+
 def test_decodes_cap_the_prompt_chunk_at_the_stall_budget(tiny_qwen2):
     """While a request decodes, a step's prompt chunk holds what the pacer says prefills in
     max_decode_stall seconds; with nothing decoding a prompt gets the whole budget."""

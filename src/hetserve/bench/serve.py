@@ -29,8 +29,8 @@ def _summary(values: list[float]) -> dict:
             "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 6), "max": round(s[-1], 6)}
 
 
-async def _one(client, url: str, prompt: list[int], args, headers) -> dict:
-    body = {"prompt": prompt, "max_tokens": args.output_tokens, "stream": True, "temperature": 0.0,
+async def _one(client, url: str, prompt: list[int], args, headers, max_tokens: int | None = None) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens or args.output_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     if args.model:
         body["model"] = args.model
@@ -86,6 +86,16 @@ async def _run(args) -> dict:
             async with sem:
                 return await _one(c, args.url, p, args, headers)
 
+        long_task = None
+        if args.long_prompt_tokens:  # one long prompt arriving beside the streams (a coding agent's turn)
+            long_prompt = ((await tokenize(f"# long request {nonce}\n")) + body * (args.long_prompt_tokens // len(body) + 1))
+            long_prompt = long_prompt[: args.long_prompt_tokens]
+
+            async def late_long():
+                await asyncio.sleep(args.long_prompt_after)
+                return await _one(c, args.url, long_prompt, args, headers, max_tokens=1)
+
+            long_task = asyncio.ensure_future(late_long())
         t0 = time.perf_counter()
         tasks = []
         for p in prompts:
@@ -94,6 +104,7 @@ async def _run(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        long_result = await long_task if long_task is not None else None
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -107,6 +118,9 @@ async def _run(args) -> dict:
         "total_token_throughput": round((out_tokens + prompt_tokens) / duration, 2),
         "ttft_s": _summary([r["ttft"] for r in ok]), "tpot_s": _summary([r["tpot"] for r in ok if r["tpot"]]),
         "itl_s": _summary([x for r in ok for x in r["itl"]]), "e2e_s": _summary([r["e2e"] for r in ok]),
+        "long_prompt": None if long_result is None else {
+            "tokens": args.long_prompt_tokens, "after_s": args.long_prompt_after, "ok": long_result["ok"],
+            "ttft_s": round(long_result["ttft"], 3) if long_result["ok"] else None},
         "command": " ".join(sys.argv),
     }
 
@@ -121,6 +135,10 @@ def main(args) -> int:
         if v["mean"] is not None:
             print(f"{key[:-2].upper():>5} mean {1e3 * v['mean']:.2f} ms  median {1e3 * v['median']:.2f} ms  "
                   f"p99 {1e3 * v['p99']:.2f} ms  max {1e3 * v['max']:.2f} ms")
+    if report["long_prompt"]:
+        lp = report["long_prompt"]
+        ttft = "failed" if lp["ttft_s"] is None else f"{lp['ttft_s']:.2f} s"
+        print(f"long prompt: {lp['tokens']} tokens {lp['after_s']} s in, TTFT {ttft}")
     if report["errors"]:
         print("errors:", report["errors"])
     if args.out:
@@ -140,5 +158,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-prompt-tokens", type=int, default=0,
+                   help="also send one prompt of N tokens (max_tokens 1) --long-prompt-after seconds in: the streams' "
+                        "ITL max then shows how long its prefill stalled them")
+    p.add_argument("--long-prompt-after", type=float, default=2.0)
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)

@@ -48,6 +48,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> K drafts to verify this step
     num_prompt_tokens: int = 0  # of the budget: prompt chunks and recomputed spans
+    num_prompt_pairs: int = 0  # query-key pairs of those chunks' attention (PrefillPacer)
 
     @property
     def num_tokens(self) -> int:
@@ -62,39 +63,82 @@ class SchedulerOutput:
 
 class PrefillPacer:
     """The prompt tokens a step that carries decodes may hold: about what prefills in `target_s`
-    seconds, from a running mean of the seconds a prompt token took in timed steps (each step's
-    seconds over its prompt tokens: the decodes riding along count in, so the step, not just its
-    chunk, stays near the target). In whole pages, at least `floor` tokens (the decodes alone can
-    take the target), at most `cap`; `cap` until a step has been timed."""
+    seconds. A step's seconds are modelled as a * (prompt tokens + r * attention pairs), the
+    pairs being the query-key pairs its prompt chunks' attention computes (a chunk of n tokens
+    after c of context: n c + n (n + 1) / 2). At short context the tokens dominate; 12k tokens
+    deep (an agent's second turn, a prefix hit) a token of the 0.5B costs about twice as much,
+    and a chunk sized by the tokens alone stalled the decodes riding along twice the target.
+    a is a running mean over timed steps (the decodes riding along count in, so the step, not
+    just its chunk, stays near the target); r starts at `pair_ratio` (the model's attention
+    FLOPs a pair over its linears' a token, times how much slower a FLOP of attention runs) and
+    is refitted from the steps where prompt tokens and pairs vary apart (a decayed least squares
+    of the two). In whole pages, at least `floor` tokens (the decodes alone can take the
+    target), at most `cap`; `cap` until a step has been timed."""
 
     weight = 0.3  # of the newest step: steps of one CPU vary by 10-20% with the load
 
-    def __init__(self, target_s: float, cap: int, page_size: int, floor: int = 64):
+    def __init__(self, target_s: float, cap: int, page_size: int, floor: int = 64, pair_ratio: float = 0.0):
         self.target_s, self.cap, self.page_size = target_s, cap, page_size
         self.floor = min(floor, cap)
-        self.seconds_per_token: float | None = None
+        self.seconds_per_token: float | None = None  # a
+        self.pair_ratio = pair_ratio  # r
+        self._sums = [0.0] * 5  # decayed S(x1 x1), S(x1 x2), S(x2 x2), S(x1 y), S(x2 y)
 
-    def observe(self, prompt_tokens: int, seconds: float) -> None:
+    def observe(self, prompt_tokens: int, seconds: float, pairs: int = 0) -> None:
         if prompt_tokens < self.floor or seconds <= 0:
             return  # a step of a few prompt tokens times its decodes, not its prefill
-        sample = seconds / prompt_tokens
+        self._refit(prompt_tokens, pairs, seconds)
+        sample = seconds / (prompt_tokens + self.pair_ratio * pairs)
         old = self.seconds_per_token
         self.seconds_per_token = sample if old is None else old + self.weight * (sample - old)
 
-    @property
-    def budget(self) -> int:
+    def _refit(self, x1: float, x2: float, y: float) -> None:
+        s, w = self._sums, self.weight
+        for i, v in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)):
+            s[i] += w * (v - s[i])
+        det = s[0] * s[2] - s[1] * s[1]
+        if det <= 1e-3 * s[0] * s[2]:  # tokens and pairs moved together: the ratio is not seen
+            return
+        a, b = (s[3] * s[2] - s[1] * s[4]) / det, (s[0] * s[4] - s[1] * s[3]) / det
+        if a > 0 and b >= 0:
+            self.pair_ratio += self.weight * (b / a - self.pair_ratio)
+
+    def seconds(self, tokens: int, depth: int) -> float:
+        """What a chunk of `tokens` prompt tokens after `depth` tokens of context costs (0 untimed)."""
+        if self.seconds_per_token is None:
+            return 0.0
+        return self.seconds_per_token * (tokens + self.pair_ratio * (tokens * depth + tokens * (tokens + 1) / 2))
+
+    def tokens(self, depth: int, seconds: float, first: bool = True) -> int:
+        """The largest chunk at `depth` that fits in `seconds` (whole pages, at most cap; at least
+        floor for a step's first chunk)."""
         if self.seconds_per_token is None:
             return self.cap
-        tokens = int(self.target_s / self.seconds_per_token) // self.page_size * self.page_size
-        return max(self.floor, min(self.cap, tokens))
+        a, r = self.seconds_per_token, self.pair_ratio
+        # a r / 2 n^2 + a (1 + r depth + r / 2) n <= seconds
+        lin, quad = a * (1 + r * depth + r / 2), a * r / 2
+        n = seconds / lin if quad == 0 else (-lin + (lin * lin + 4 * quad * seconds) ** 0.5) / (2 * quad)
+        n = int(max(n, 0)) // self.page_size * self.page_size
+        return max(self.floor, min(self.cap, n)) if first else min(self.cap, n)
+
+    @property
+    def budget(self) -> int:
+        """A step's prompt tokens at the start of a context."""
+        return self.tokens(0, self.target_s)
+
+
+def attention_pairs(tokens: int, depth: int) -> int:
+    """Query-key pairs a causal chunk of `tokens` after `depth` tokens of context computes."""
+    return tokens * depth + tokens * (tokens + 1) // 2
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None,
-                 draft_len: Callable[[Request], int] | None = None):
+                 draft_len: Callable[[Request], int] | None = None, pair_ratio: float = 0.0):
+        """pair_ratio: PrefillPacer's starting r (EngineCore derives it from the model)."""
         self.config = config
-        self.pacer = (PrefillPacer(config.max_decode_stall, config.max_num_batched_tokens, config.page_size)
-                      if config.max_decode_stall > 0 else None)
+        self.pacer = (PrefillPacer(config.max_decode_stall, config.max_num_batched_tokens, config.page_size,
+                                   pair_ratio=pair_ratio) if config.max_decode_stall > 0 else None)
         self.draft_len = draft_len
         self.pool = pool
         self.prefix_cache = prefix_cache
@@ -200,9 +244,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.pacer is not None and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            budget = self.decoding_budget  # the pacer's budget never exceeds the whole one
         full = budget
+        # While requests decode, the step's prompt chunks share the pacer's seconds, each sized at
+        # its own depth of context.
+        paced = self.pacer is not None and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        seconds_left = self.pacer.target_s if paced else 0.0
+
+        def chunk(req: Request, left: int) -> int:
+            nonlocal seconds_left
+            n = min(left, budget)
+            if paced:
+                depth = req.num_computed_tokens
+                n = min(n, self.pacer.tokens(depth, seconds_left, first=seconds_left == self.pacer.target_s))
+                seconds_left -= self.pacer.seconds(n, depth)
+            return n
+
         now = time.monotonic()
         # 1. Running requests, in admission order: decodes outside the budget, prompt chunks in it.
         i = 0
@@ -213,7 +269,10 @@ class Scheduler:
             if not decode and budget <= 0:
                 i += 1
                 continue
-            n = 1 if decode else min(left, budget)
+            n = 1 if decode else chunk(req, left)
+            if n == 0:
+                i += 1
+                continue
             k = 0
             if self.draft_len is not None and decode:
                 k = self.draft_len(req)
@@ -233,6 +292,7 @@ class Scheduler:
                 out.num_drafts[req.request_id] = k
             if not decode:
                 budget -= n
+                out.num_prompt_pairs += attention_pairs(n, req.num_computed_tokens)
             i += 1
         # 2. Waiting requests, unless this step had to preempt.
         if not out.preempted:
@@ -241,7 +301,11 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 self._restore(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = chunk(req, req.num_tokens - req.num_computed_tokens)
+                if n == 0:  # the pacer's seconds are spent (a step's first chunk always gets its floor)
+                    self.free(req)
+                    req.num_computed_tokens = req.num_published_pages = 0
+                    break
                 if not self._reserve(req, n):
                     self.free(req)  # give back restored pages; retry the lookup next step
                     req.num_computed_tokens = req.num_published_pages = 0
@@ -254,6 +318,7 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append((req, n))
                 budget -= n
+                out.num_prompt_pairs += attention_pairs(n, req.num_computed_tokens)
         out.num_prompt_tokens = full - budget
         return out
 
