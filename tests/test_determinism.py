@@ -106,16 +106,23 @@ def test_kernel_variants_give_the_same_bits(variant):
                                        getattr(portable, linear)(x, *args, n, b, passes))
     # Decode attention: rows of one sequence and of others, contexts of odd and even lengths,
     # head sizes that take each values pass (D a multiple of 32, of 16 only, of 8 only).
+    # Caches of each dtype (int8: q8_0 rows, for head sizes that are multiples of 32).
+    from hetserve.layers import kv_quant
+
     for heads, kv_heads, d in [(14, 2, 64), (12, 2, 128), (8, 1, 48), (3, 3, 40), (16, 2, 32)]:
         slots = 64 * 16
         k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
         lens = torch.tensor([1, 2, 37, 38, 39, 600, 1001])
         tables = torch.stack([torch.randperm(64) for _ in lens])
         q = torch.randn(len(lens), heads, d)
-        outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
-        for mod, out in zip((ours, portable), outs):
-            mod.attend_rows(q, k_cache, v_cache, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
-        assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d)
+        for dtype in (torch.float32, torch.float16, torch.int8):
+            if dtype == torch.int8 and d % 32:
+                continue
+            kc, vc = ((kv_quant.quantize(c) if dtype == torch.int8 else c.to(dtype)) for c in (k_cache, v_cache))
+            outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
+            for mod, out in zip((ours, portable), outs):
+                mod.attend_rows(q, kc, vc, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
+            assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d, dtype)
     from test_weight_formats import file_format
 
     for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q5_1", 768), ("q5_1", 256), ("q6_k", 4864), ("q6_k", 512), ("q4_k", 4864),

@@ -78,7 +78,7 @@ def bench_hetserve(args, engine_kw: dict) -> tuple[dict, list[int], str]:
         # A decode token reads the K and V of its context: on average the prompt and half the output.
         kv = llm.model.kv_bytes_per_token() * (args.prompt_tokens + args.output_tokens // 2)
         bandwidths = [(a + b) / 2 for a, b in zip(probes, probes[1:])]
-        lim = limits(llm.model, unit, statistics.median(bandwidths), kv)
+        lim = limits(llm.model, unit, statistics.median(bandwidths), kv, args.prompt_tokens)
         nbytes = lim["decode_weight_bytes"] + kv
         shares = [(args.output_tokens - 1) / (e2e - ttft) * nbytes / (bw * 1e9)
                   for (ttft, e2e), bw in zip(samples, bandwidths)]
@@ -135,7 +135,9 @@ def main(args) -> int:
               f"{lim['decode_weight_bytes'] / 1e6:.0f} MB of weights + {lim['decode_kv_bytes'] / 1e6:.0f} MB of KV a "
               f"token -> decode <= {lim['decode_limit_tok_s']:.1f} tok/s ({lim['decode_share']:.0%} reached, "
               f"median of runs {shares}); {lim['gemm_unit']} "
-              f"{lim['gemm_gflop_s'] / 1e3:.2f} {rate} -> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
+              f"{lim['gemm_gflop_s'] / 1e3:.2f} {rate} and attention's {lim['prefill_attention_flops_per_token'] / 1e6:.0f} "
+              f"MFLOP a token at {lim['attention_unit']} {lim['attention_gflop_s'] / 1e3:.2f} TFLOP/s "
+              f"-> prefill <= {lim['prefill_limit_tok_s']:.0f} tok/s "
               f"({h['prefill_tok_s'] / lim['prefill_limit_tok_s']:.0%})")
     if "transformers" in report:
         h, t = report["hetserve"], report["transformers"]

@@ -82,19 +82,38 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, params
 
 
-def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float, kv_bytes: int = 0) -> dict:
+def tok_s_limits(model, read_gb_s: float, gemm_gflop_s: float, kv_bytes: int = 0, prompt_tokens: int = 0,
+                 attention_gflop_s: float | None = None) -> dict:
     """Decode and prefill tok/s that a read bandwidth and a GEMM rate allow the model; a decode
-    token reads its linear weights plus `kv_bytes` of KV cache (its context's K and V)."""
+    token reads its linear weights plus `kv_bytes` of KV cache (its context's K and V). With
+    `prompt_tokens`, the prefill limit counts the prompt's causal attention too (4 H D FLOPs a
+    layer per query-key pair, (N + 1) / 2 pairs a token on average) at `attention_gflop_s`."""
     wbytes, params = weight_bytes(model)
+    c = model.config
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim * (prompt_tokens + 1) / 2 if prompt_tokens else 0
+    seconds = 2 * params / (gemm_gflop_s * 1e9) + (attn / (attention_gflop_s * 1e9) if attn else 0)
     return {"decode_weight_bytes": wbytes, "decode_kv_bytes": kv_bytes,
             "decode_limit_tok_s": round(read_gb_s * 1e9 / (wbytes + kv_bytes), 1),
-            "prefill_limit_tok_s": round(gemm_gflop_s * 1e9 / (2 * params), 1)}
+            "prefill_attention_flops_per_token": round(attn), "prefill_limit_tok_s": round(1 / seconds, 1)}
 
 
-def limits(model, prefill_dtype: torch.dtype, bandwidth: float | None = None, kv_bytes: int = 0) -> dict:
+def attention_peak() -> tuple[float, str]:
+    """The GEMM rate attention could run at here: bf16 where the CPU has a bf16 unit (AMX or
+    AVX512-BF16), else fp32."""
+    from ..layers.native import cpu_features
+
+    dtype = torch.bfloat16 if cpu_features() & {"amx_bf16", "avx512_bf16"} else torch.float32
+    return gemm_gflop_s(dtype), f"{str(dtype).split('.')[-1]} GEMM"
+
+
+def limits(model, prefill_dtype: torch.dtype, bandwidth: float | None = None, kv_bytes: int = 0,
+           prompt_tokens: int = 0) -> dict:
     """Decode and prefill tok/s this machine allows the model now, with what they were computed from
     (prefill_dtype: the unit prefill runs on, torch.int8 for the quantized kernels; bandwidth:
-    GB/s measured beside the runs, else measured here)."""
+    GB/s measured beside the runs, else measured here; prompt_tokens: the prompt's attention
+    counted at attention_peak)."""
     bandwidth, (peak, unit) = bandwidth or read_bandwidth_gb_s(), prefill_peak(prefill_dtype)
+    attn_peak, attn_unit = attention_peak() if prompt_tokens else (None, None)
     return {"read_gb_s": round(bandwidth, 1), "gemm_gflop_s": round(peak, 1), "gemm_dtype": str(prefill_dtype),
-            "gemm_unit": unit, **tok_s_limits(model, bandwidth, peak, kv_bytes)}
+            "gemm_unit": unit, "attention_gflop_s": attn_peak and round(attn_peak, 1), "attention_unit": attn_unit,
+            **tok_s_limits(model, bandwidth, peak, kv_bytes, prompt_tokens, attn_peak)}

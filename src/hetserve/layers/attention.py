@@ -114,6 +114,37 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
 
 
+# torch's CPU flash attention, which also returns each row's log-sum-exp (what merging two
+# halves of a softmax needs); None where this torch lacks it.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _continued_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     dt: torch.dtype) -> torch.Tensor:
+    """A prefill chunk that continues its context (q [T, H, d]; keys, values [kvh, C, d], the
+    chunk's own T keys last), on CPU: the keys before the chunk, which every row sees, in one
+    unmasked call with the g query heads of a KV head folded into its rows (one pass over each
+    KV head's keys, no mask), and the chunk's own keys in a causal call; the two softmaxes
+    merged by their log-sum-exps. SDPA with the [T, C] mask took 1.36x as long at 512 tokens
+    8k deep (bf16, Sapphire Rapids; `hetserve bench attention --chunks 512:8192`). Returns
+    [T, H, d] fp32."""
+    t, heads, d = q.shape
+    kvh, c, _ = keys.shape
+    g, before = heads // kvh, c - t
+    q = q.to(dt)
+    folded = q.reshape(t, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * t, d)
+    o1, l1 = _FLASH_CPU(folded, keys[None, :, :before], values[None, :, :before], 0.0, False, scale=scale)
+    o1, l1 = o1[0].reshape(heads, t, d), l1[0].reshape(heads, t)
+    own_k = keys[:, before:].repeat_interleave(g, 0)[None]
+    own_v = values[:, before:].repeat_interleave(g, 0)[None]
+    o2, l2 = _FLASH_CPU(q.transpose(0, 1)[None], own_k, own_v, 0.0, True, scale=scale)
+    o2, l2 = o2[0], l2[0]
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    o = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    return o.transpose(0, 1)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """k, v: [T, kv_heads, d], scattered into their slots."""
@@ -166,6 +197,10 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
                 n = first + j + 1
                 o = _sdpa(rows[j].view(kv_heads, g, d), keys[:, :n], values[:, :n], None, scale)
                 out[s.q_start + j] = o.reshape(-1)
+            continue
+        if s.q_len > 1 and s.q_len < s.ctx_len and _FLASH_CPU is not None and q.device.type == "cpu":
+            o = _continued_chunk(rows, keys, values, scale, dt)
+            out[s.q_start:s.q_start + s.q_len] = o.reshape(s.q_len, -1).to(out.dtype)
             continue
         if s.q_len > 1:
             # Prefill chunks: SDPA's own GQA, and its causal flag where the chunk is the whole

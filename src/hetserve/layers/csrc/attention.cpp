@@ -147,9 +147,42 @@ inline __m512 load_row16(const int8_t* row, int64_t e) {
 // functions above (the same products, added in the same order, the same horizontal sums), so
 // the bits are the same and only the instruction count differs. Scores: two keys at a time, key
 // t in the low 8 lanes and t + 1 in the high 8, against the query broadcast to both halves.
+//
+// Four keys a pass (two registers of two), so each query load serves two FMAs, and the four
+// scores of a head are summed together (hsum4): at 8k tokens of context the one-by-one
+// horizontal sums were half the scores pass's instructions.
+
+// hsum of the 8-lane sums of keys t .. t + 3 (a: t | t + 1, b: t + 2 | t + 3), each added in
+// hsum's order ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), so the same bits, four at once.
+inline __m128 hsum4(__m512 a, __m512 b) {
+  const __m512 ha = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));  // x_i + x_{i+4}
+  const __m512 hb = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m128 qa = _mm512_castps512_ps128(ha), qb = _mm512_extractf32x4_ps(ha, 2);
+  const __m128 qc = _mm512_castps512_ps128(hb), qd = _mm512_extractf32x4_ps(hb, 2);
+  const __m128 rab = _mm_add_ps(_mm_unpacklo_ps(qa, qb), _mm_unpackhi_ps(qa, qb));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m128 rcd = _mm_add_ps(_mm_unpacklo_ps(qc, qd), _mm_unpackhi_ps(qc, qd));
+  return _mm_add_ps(_mm_movelh_ps(rab, rcd), _mm_movehl_ps(rcd, rab));
+}
+
 template <int J, class T>
 void head_scores_wide(const float* q, const T* const* k, const T* const* v, int64_t n, int64_t D, float sc, float* p) {
   int64_t t = 0;
+  const __m128 scv = _mm_set1_ps(sc);
+  for (; t + 4 <= n; t += 4) {
+    for (int64_t i = 0; i < 4; ++i) prefetch_ahead(k, v, t + i, n, D);
+    __m512 acc[2][J];
+    for (int j = 0; j < J; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 8) {
+      const __m512 k0 = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1);
+      const __m512 k1 = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t + 2], e)), load_row8(k[t + 3], e), 1);
+      for (int j = 0; j < J; ++j) {
+        const __m512 qb = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e));
+        acc[0][j] = _mm512_fmadd_ps(qb, k0, acc[0][j]);
+        acc[1][j] = _mm512_fmadd_ps(qb, k1, acc[1][j]);
+      }
+    }
+    for (int j = 0; j < J; ++j) _mm_storeu_ps(p + j * n + t, _mm_mul_ps(hsum4(acc[0][j], acc[1][j]), scv));
+  }
   for (; t + 2 <= n; t += 2) {
     prefetch_ahead(k, v, t, n, D);
     prefetch_ahead(k, v, t + 1, n, D);
