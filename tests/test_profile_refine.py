@@ -96,10 +96,14 @@ def test_profiles_measured_beside_a_hog_come_true_and_follow_a_hog_under_load(ti
         split = burst(s)
         assert abs(split["cpu0"] - 8) <= 1, (split, current(s))
 
-        # A hog on cpu0's core under load: its share of a burst falls below an even one...
+        # A hog on cpu0's core under load: its share of a burst falls below an even one (how far
+        # depends on how the machine shares a core: on a KVM Sapphire Rapids one run did not get
+        # to 6 of 16 within 180 s where the same test alone did)...
         h = hog(cores[0])
+        splits = []
         try:
-            until(lambda: burst(s)["cpu0"] <= 6, "the slowed worker's share falling")
+            until(lambda: splits.append(burst(s)) or splits[-1]["cpu0"] <= 7, "the slowed worker's share falling",
+                  lambda: f"bursts: {splits[-10:]}; profiles now: {current(s)}")
         finally:
             h.kill()
             h.wait()
