@@ -62,6 +62,7 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
     # The quantized weights are built from the file's blocks; kernel prefill never loads the fp32
     # copies, bf16 prefill loads each as its bf16 copy is made (DecoderModel.from_gguf).
     gemm_weights = config.prefill_format not in ("kernel", "bf16")
+    rope_scaling = RopeScaling.parse(config.rope_scaling)
     with GGUFFile(path) as f:
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         # Built on its own thread while the weights load (it holds the GIL for a second on a
@@ -69,7 +70,7 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
         grammars = GrammarCompiler(tokenizer.to_json(), _logit_rows(f), tokenizer.stop_token_ids)
         target_tokens = [str(t) for t in f.metadata.get("tokenizer.ggml.tokens") or ()]
         decoder = DecoderModel.from_gguf(str(path), torch_dtype, device, gguf_file=f, gemm_weights=gemm_weights,
-                                         rope_scaling=RopeScaling.parse(config.rope_scaling))
+                                         rope_scaling=rope_scaling)
     draft = None
     if config.speculative_model:
         draft_path = registry.resolve(config.speculative_model)
@@ -81,7 +82,7 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
                              config.speculative_model)
             # The draft reaches the target's positions the same way (Qwen2.5's 0.5B and 1.5B: YaRN).
             draft = DecoderModel.from_gguf(str(draft_path), torch_dtype, device, gguf_file=f,
-                                           gemm_weights=gemm_weights, rope_scaling=RopeScaling.parse(config.rope_scaling))
+                                           gemm_weights=gemm_weights, rope_scaling=rope_scaling)
         # Both must score the same ids (the logit rows, padding rows included).
         check_same_vocab(target_tokens, draft_tokens, decoder.lm_head.out_features, draft.lm_head.out_features,
                          config.speculative_model)

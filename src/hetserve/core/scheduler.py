@@ -107,7 +107,7 @@ class PrefillPacer:
         """What a chunk of `tokens` prompt tokens after `depth` tokens of context costs (0 untimed)."""
         if self.seconds_per_token is None:
             return 0.0
-        return self.seconds_per_token * (tokens + self.pair_ratio * (tokens * depth + tokens * (tokens + 1) / 2))
+        return self.seconds_per_token * (tokens + self.pair_ratio * attention_pairs(tokens, depth))
 
     def tokens(self, depth: int, seconds: float, first: bool = True) -> int:
         """The largest chunk at `depth` that fits in `seconds` (whole pages, at most cap; at least

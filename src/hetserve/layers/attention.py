@@ -126,8 +126,8 @@ def _continued_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     unmasked call with the g query heads of a KV head folded into its rows (one pass over each
     KV head's keys, no mask), and the chunk's own keys in a causal call; the two softmaxes
     merged by their log-sum-exps. SDPA with the [T, C] mask took 1.36x as long at 512 tokens
-    8k deep (bf16, Sapphire Rapids; `hetserve bench attention --chunks 512:8192`). Returns
-    [T, H, d] fp32."""
+    8k deep (bf16, the 0.5B's heads, Sapphire Rapids; timed against each other in one script,
+    medians of 5). Returns [T, H, d] fp32."""
     t, heads, d = q.shape
     kvh, c, _ = keys.shape
     g, before = heads // kvh, c - t
@@ -198,15 +198,15 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
                 o = _sdpa(rows[j].view(kv_heads, g, d), keys[:, :n], values[:, :n], None, scale)
                 out[s.q_start + j] = o.reshape(-1)
             continue
-        if s.q_len > 1 and s.q_len < s.ctx_len and _FLASH_CPU is not None and q.device.type == "cpu":
-            o = _continued_chunk(rows, keys, values, scale, dt)
-            out[s.q_start:s.q_start + s.q_len] = o.reshape(s.q_len, -1).to(out.dtype)
-            continue
         if s.q_len > 1:
+            causal = s.q_len == s.ctx_len
+            if not causal and _FLASH_CPU is not None and q.device.type == "cpu":
+                o = _continued_chunk(rows, keys, values, scale, dt)
+                out[s.q_start:s.q_start + s.q_len] = o.reshape(s.q_len, -1).to(out.dtype)
+                continue
             # Prefill chunks: SDPA's own GQA, and its causal flag where the chunk is the whole
             # context (the mask is then SDPA's top-left triangle): 25% faster than the folded
             # query with a repeated mask on the 0.5B's 512-token chunks, the same values.
-            causal = s.q_len == s.ctx_len
             o = F.scaled_dot_product_attention(rows.transpose(0, 1)[None].to(dt), keys[None],
                                                values[None], attn_mask=None if causal else s.mask,
                                                is_causal=causal, scale=scale, enable_gqa=True)[0]

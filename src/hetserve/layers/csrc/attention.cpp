@@ -137,10 +137,10 @@ inline __m512 load16(const at::BFloat16* p) {
 template <class T>
 inline __m512 load_row16(const T* row, int64_t e) { return load16(row + e); }
 inline __m512 load_row16(const int8_t* row, int64_t e) {
-  const int8_t* b = row + e / kQ8Block * kQ8Bytes;
-  const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + e % kQ8Block)));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
+  float d;
+  const int8_t* q = q8_value(row, e, &d);
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d));
 }
 
 // The avx512 build's passes: 16 lanes a register, each lane the same FMA chain as in the AVX2
