@@ -541,11 +541,11 @@ def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2
     """`--prefill-format kernel`: a 200-token prompt's chunks run the kernels (no GEMM: the fp32
     copies are gone, the untied head's too), and its prompt logprobs match those of the same
     prompt prefilled in chunks of 7 (the linears give each row the same bits; the attention of
-    7-row chunks is the decode kernel's, of a 200-row chunk SDPA's)."""
+    7-row chunks is the decode kernel's, of a 200-row chunk SDPA's, both fp32 here)."""
     from hetserve import LLM, SamplingParams
 
     llm = LLM(model=tiny_qwen2, weight_format="int8", prefill_format="kernel", kv_cache_memory="8MiB",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, prefill_attention="fp32")
     assert llm.config.prefill_format == "kernel"
     for lin in llm.model.linears():
         assert lin.qweight is not None and lin.quantized_at(10**6)
@@ -554,7 +554,7 @@ def test_kernel_prefill_runs_the_quantized_weights_at_every_row_count(tiny_qwen2
     prompt = list(range(3, 203))
     whole = llm.generate([prompt], params, use_tqdm=False)[0]
     chunked = LLM(model=tiny_qwen2, weight_format="int8", prefill_format="kernel", kv_cache_memory="8MiB",
-                  enable_prefix_caching=False, max_num_batched_tokens=7)
+                  enable_prefix_caching=False, max_num_batched_tokens=7, prefill_attention="fp32")
     small = chunked.generate([prompt], params, use_tqdm=False)[0]
     assert small.token_ids == whole.token_ids
     assert len(whole.prompt_logprobs) == len(small.prompt_logprobs) == len(prompt)

@@ -53,6 +53,9 @@ _ENGINE_HELP = {
     "prefill_format": "steps past --quant-max-rows (prefill chunks): fp32 or bf16 GEMM, kernel (the quantized "
                       "kernels at every row count), or auto: with quantized weights, bf16 on AMX, kernel on "
                       "AVX512-VNNI without AMX, bf16 on other AVX512-BF16 CPUs, else fp32",
+    "prefill_attention": "the attention of prefill chunks (more than 16 new tokens): fp32, bf16 (bf16 products, fp32 "
+                         "sums), or auto: bf16 where the chunks' linears run bf16 (AMX) or the CPU has AVX512-BF16 "
+                         "under the quantized kernels, else fp32; decode rows and --deterministic stay fp32",
     "speculative_model": "draft model for speculative decoding (a registry name or .gguf path; same vocabulary)",
     "num_speculative_tokens": "K, tokens drafted per round (the starting K of adaptive policies)",
     "spec_policy": "draft length: fixed, acceptance-rate, accepted-length or cost (K from measured costs, 0 = no draft)",

@@ -12,9 +12,10 @@ The head shape comes from the model file (no weights are loaded); pages are cons
 block pool hands them to one request.
 
 --chunks T:C,... times a prefill chunk's attention a layer (its last T of C context tokens,
-causal) the two ways a CPU worker can run it, alternated: the native chunk kernel over the cache's
-rows, and torch's fp32 SDPA over them widened (what runs without the extension). Reported with
-the FLOPs each reaches (the causal part of the score and value products).
+causal) the ways a CPU worker can run it, alternated: the native fp32 kernel over the cache's rows,
+the native bf16 kernel (csrc/flash_bf16.cpp, where the CPU has AVX512-BF16), and torch's SDPA over
+the rows widened to fp32 (what runs without the extension) and to bf16 (what runs on AMX). Reported
+with the FLOPs each reaches (the causal part of the score and value products).
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def measure(shape: dict, n: int, repeats: int, flush: torch.Tensor, dtype: torch
 
 
 def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype) -> dict:
-    """A chunk's attention a layer: the native kernel and fp32 SDPA, alternated; medians in ms."""
+    """A chunk's attention a layer, each way this CPU runs it, alternated; medians in ms."""
     import torch.nn.functional as F
 
-    from ..layers.native import kernels
+    from ..layers.native import cpu_features, kernels, variant
 
     k = kernels()
     H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -97,28 +98,29 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
     out = torch.empty(t, H * D)
     mask = None if t == c else torch.ones(t, c, dtype=torch.bool).tril(c - t)
 
-    def native():
-        k.attend_chunk(q, kc, vc, out, D ** -0.5)
+    def sdpa(dt):  # as layers/attention.py runs a chunk without the extension (fp32) or on AMX (bf16)
+        return lambda: F.scaled_dot_product_attention(
+            q.to(dt).transpose(0, 1)[None], read(kc, dt).transpose(0, 1)[None], read(vc, dt).transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, scale=D ** -0.5, enable_gqa=True)
 
-    def sdpa():  # as layers/attention.py runs a chunk without the extension
-        F.scaled_dot_product_attention(q.transpose(0, 1)[None], read(kc, torch.float32).transpose(0, 1)[None],
-                                       read(vc, torch.float32).transpose(0, 1)[None], attn_mask=mask,
-                                       is_causal=mask is None,
-                                       scale=D ** -0.5, enable_gqa=True)
-
-    times = {"native": [], "sdpa": []}
-    native(), sdpa()
+    ways = {"fp32 kernel": lambda: k.attend_chunk(q, kc, vc, out, D ** -0.5)}
+    if "avx512_bf16" in cpu_features() and variant() == "avx512" and D % 32 == 0:
+        ways["bf16 kernel"] = lambda: k.attend_chunk_bf16(q, kc, vc, out, D ** -0.5)
+    ways["fp32 SDPA"], ways["bf16 SDPA"] = sdpa(torch.float32), sdpa(torch.bfloat16)
+    times = {name: [] for name in ways}
+    for fn in ways.values():
+        fn()
     for _ in range(repeats):
-        for name, fn in (("native", native), ("sdpa", sdpa)):
+        for name, fn in ways.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     keys = sum(c - t + i + 1 for i in range(t))  # query-key pairs a head computes
     flops = 4 * H * D * keys
-    row = {"chunk": t, "context": c, "kv_dtype": str(dtype).removeprefix("torch."), "flops": flops}
+    row = {"chunk": t, "context": c, "kv_dtype": str(dtype).removeprefix("torch."), "flops": flops, "ways": {}}
     for name, ts in times.items():
-        row[f"{name}_ms"] = round(statistics.median(ts) * 1e3, 2)
-        row[f"{name}_gflop_s"] = round(flops / statistics.median(ts) / 1e9, 1)
+        row["ways"][name] = {"ms": round(statistics.median(ts) * 1e3, 2),
+                             "gflop_s": round(flops / statistics.median(ts) / 1e9, 1)}
     return row
 
 
@@ -142,12 +144,12 @@ def main(args) -> int:
     chunks = [measure_chunk(shape, *map(int, tc.split(":")), args.repeats, dt)
               for tc in args.chunks.split(",") if tc for dt in dtypes]
     if chunks:
-        print(f"prefill chunk attention a layer: native kernel against fp32 SDPA, median of {args.repeats} alternated")
-        print(f"{'chunk':>6}{'context':>9}{'KV dtype':>10}{'native ms':>11}{'GFLOP/s':>9}{'SDPA ms':>9}{'GFLOP/s':>9}"
-              f"{'speed-up':>10}")
+        print(f"prefill chunk attention a layer, median of {args.repeats} alternated: ms (GFLOP/s)")
+        names = list(chunks[0]["ways"])
+        print(f"{'chunk':>6}{'context':>9}{'KV dtype':>10}" + "".join(f"{n:>20}" for n in names))
         for r in chunks:
-            print(f"{r['chunk']:>6}{r['context']:>9}{r['kv_dtype']:>10}{r['native_ms']:>11.2f}{r['native_gflop_s']:>9.1f}"
-                  f"{r['sdpa_ms']:>9.2f}{r['sdpa_gflop_s']:>9.1f}{r['sdpa_ms'] / r['native_ms']:>9.2f}x")
+            print(f"{r['chunk']:>6}{r['context']:>9}{r['kv_dtype']:>10}" + "".join(
+                f"{r['ways'][n]['ms']:>11.2f} ({r['ways'][n]['gflop_s']:>6.1f})" for n in names))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"benchmark": "attention", "model": args.model, **shape, "threads": torch.get_num_threads(),

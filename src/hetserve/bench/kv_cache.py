@@ -1,9 +1,11 @@
-"""`hetserve bench kv-cache`: what each KV cache dtype costs in accuracy at long context.
+"""`hetserve bench kv-cache`: what each KV cache dtype (and prefill attention precision) costs in
+accuracy at long context.
 
-For each --kv-dtypes value (one engine each, the engine flags otherwise as given), the
+For each --kv-dtypes value and each --prefill-attentions value (one engine each, the engine flags
+otherwise as given), the
 teacher-forced log-probabilities of the first N tokens of a long code text, for each N in
 --tokens, fed in chunks of --chunk tokens as a chunked prefill runs them: perplexity, and how
-far it is from the first dtype's on the same tokens with its standard error (paired per token,
+far it is from the first engine's on the same tokens with its standard error (paired per token,
 models/perplexity.relative_perplexity), overall and over each quarter of the context (does the
 gap grow with position?), and the bytes a token's KV takes.
 
@@ -40,15 +42,17 @@ def main(args) -> int:
     report = {"benchmark": "kv-cache", "model": args.model, "command": " ".join(sys.argv), "chunk": args.chunk,
               "text": args.text or "stdlib:" + ",".join(STDLIB_TEXT), "results": []}
     first: dict[int, object] = {}
-    for dtype in args.kv_dtypes.split(","):
-        llm = LLM(model=args.model, **{**kw, "kv_cache_dtype": dtype})
+    attentions = (args.prefill_attentions or kw["prefill_attention"]).split(",")
+    for dtype, attention in [(d, a) for d in args.kv_dtypes.split(",") for a in attentions]:
+        llm = LLM(model=args.model, **{**kw, "kv_cache_dtype": dtype, "prefill_attention": attention})
+        name = f"{dtype}/{attention}"
         ids = llm.encode(text, parse_special=False)
         if len(ids) <= sizes[-1]:
             raise SystemExit(f"the text has {len(ids)} tokens, fewer than {sizes[-1] + 1}")
         for n in sizes:
             t0 = time.perf_counter()
             logp = llm.token_logprobs(ids[:n + 1], chunk=args.chunk)
-            row = {"kv_dtype": dtype, "tokens": n, "kv_bytes_per_token": llm.model.kv_bytes_per_token(),
+            row = {"kv_dtype": dtype, "prefill_attention": attention, "tokens": n, "kv_bytes_per_token": llm.model.kv_bytes_per_token(),
                    "perplexity": round(from_logprobs(logp), 4), "seconds": round(time.perf_counter() - t0, 1)}
             ref = first.setdefault(n, logp)
             rel, se = relative_perplexity(ref, logp)
@@ -58,8 +62,8 @@ def main(args) -> int:
                                                                                logp[i * q:(i + 1) * q])[0], 3)
                                               for i in range(4)]
             report["results"].append(row)
-            print(f"{dtype:>9} {n:>7} tokens: perplexity {row['perplexity']:.4f}, {row['vs_first_pct']:+.3f}% "
-                  f"(s.e. {row['se_pct']:.3f}%) vs {args.kv_dtypes.split(',')[0]}, by quarter "
+            print(f"{name:>14} {n:>7} tokens: perplexity {row['perplexity']:.4f}, {row['vs_first_pct']:+.3f}% "
+                  f"(s.e. {row['se_pct']:.3f}%) vs the first, by quarter "
                   f"{', '.join(f'{x:+.2f}%' for x in row['vs_first_by_quarter_pct'])}; "
                   f"{row['kv_bytes_per_token']} KV bytes a token; {row['seconds']} s", flush=True)
         del llm
@@ -73,6 +77,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("kv-cache", help="perplexity at long context for each KV cache dtype (vs the first)")
     add_model_flag(p)
     p.add_argument("--kv-dtypes", default="float16,int8", help="comma-separated; the first is the reference")
+    p.add_argument("--prefill-attentions", default=None,
+                   help="comma-separated --prefill-attention values, each run with each KV dtype (default: "
+                        "--prefill-attention's one)")
     p.add_argument("--tokens", default="8192", help="comma-separated context lengths scored")
     p.add_argument("--chunk", type=int, default=512, help="tokens a forward (a prefill chunk)")
     p.add_argument("--text", default=None, help="a text file (default: Python standard library sources)")

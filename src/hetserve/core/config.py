@@ -54,6 +54,7 @@ class EngineConfig:
     reuse_freed_pages: bool = True  # CPU: freed step tensors' pages stay mapped for the next step (glibc)
     native_layers: bool = True  # CPU decode steps run every layer in one native call (else op by op from Python)
     prefill_format: str = "auto"  # larger steps: fp32 or bf16 GEMM, kernel (the quantized kernels), auto (per CPU)
+    prefill_attention: str = "auto"  # prefill chunks' attention: fp32, bf16, auto (bf16 where the CPU multiplies bf16)
     speculative_model: str | None = None  # draft model (registry name or GGUF path) sharing the target's vocabulary
     num_speculative_tokens: int = 4  # K: drafts per round (the starting K of adaptive policies)
     spec_policy: str = "fixed"  # or acceptance-rate, accepted-length, cost
@@ -93,6 +94,8 @@ class EngineConfig:
                                  "(auto, fp32, int8, int4, gguf)")
         if self.prefill_format not in ("auto", "fp32", "bf16", "kernel"):
             raise ValueError(f"unknown prefill format {self.prefill_format!r} (auto, fp32, bf16, kernel)")
+        if self.prefill_attention not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"unknown prefill attention {self.prefill_attention!r} (auto, fp32, bf16)")
         if self.activation_rounding not in ("int8", "int8x2"):
             raise ValueError(f"activation_rounding must be int8 or int8x2, got {self.activation_rounding!r}")
         if not isinstance(self.quant_max_rows, int) or self.quant_max_rows < 0:

@@ -15,7 +15,7 @@ from ..layers import native
 from ..layers.dtypes import DTYPES, resolve_dtype
 from ..layers.heap import keep_freed_pages
 from ..layers.huge_pages import HugePageArena, thp_mode
-from ..layers.prefill_formats import resolve_prefill_format
+from ..layers.prefill_formats import resolve_prefill_attention, resolve_prefill_format
 from ..layers.weight_formats import resolve_weight_format
 from ..models import registry
 from ..models.decoder import DecoderModel
@@ -102,10 +102,14 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32", name: s
             if arena is not None:
                 model.place_weights(arena.place)
     kv_dtype = _kv_dtype(config, decoder)
+    chunk_attention = resolve_prefill_attention(config.prefill_attention, config.prefill_format, device, torch_dtype,
+                                                config.deterministic, decoder.config.head_dim)
     for model in (decoder, draft):
         if model is not None:
             model.kv_dtype = kv_dtype
-    log.info("KV cache in %s", str(kv_dtype).removeprefix("torch."))
+            model.chunk_attention = chunk_attention
+    log.info("KV cache in %s; prefill chunks attend in %s", str(kv_dtype).removeprefix("torch."),
+             str(chunk_attention or torch_dtype).removeprefix("torch."))
     if arena is not None:
         log.info("weights on huge pages: %.0f MiB advised (THP %s)", arena.advised / 2**20, thp_mode())
     if config.trace_directory:

@@ -17,7 +17,8 @@ its prompt was chunked or what else ran in the step.
 On fp32 CPU workers the native extension attends the rows of short sequences
 (decodes, speculative verifications; all rows in deterministic mode) one by one,
 reading their pages in place, and the longer prefill chunks tile by tile over the
-context's K and V; SDPA runs them elsewhere (GPUs, bf16 chunks, no extension).
+context's K and V: in fp32, or in bf16 products on CPUs with AVX512-BF16 and no AMX
+(csrc/flash_bf16.cpp). SDPA runs them elsewhere (GPUs, bf16 chunks on AMX, no extension).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import trace
 from . import kv_quant
+from .native import bf16_chunk_kernel
 
 
 @dataclass
@@ -176,18 +178,22 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
             native.attend_rows(q.contiguous(), k_cache, v_cache, out, rows, lens, tables, meta.page_size, scale)
     native_chunks = native is not None and q.dtype == torch.float32 and chunk_dtype in (None, torch.float32) \
         and d % 16 == 0 and not meta.per_query
+    bf16_chunks = native is not None and q.dtype == torch.float32 and chunk_dtype == torch.bfloat16 \
+        and d % 32 == 0 and d <= 256 and not meta.per_query and bf16_chunk_kernel()
     for s in seqs:
         if s.kv_index is None:
             keys, values = k_cache[s.kv_start:s.kv_start + s.ctx_len], v_cache[s.kv_start:s.kv_start + s.ctx_len]
         else:
             keys, values = k_cache[s.kv_index], v_cache[s.kv_index]
-        if native_chunks and s.q_len > 1:
-            # fp32 prefill chunks: the native kernel, over the cache's own rows (about 2x SDPA's
-            # speed on a Zen 1 EPYC, see csrc/attention.cpp).
-            native.attend_chunk(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values,
-                                out[s.q_start:s.q_start + s.q_len], scale)
+        if (native_chunks or bf16_chunks) and s.q_len > 1:
+            # Prefill chunks over the cache's own rows: fp32, the native kernel (about 2x SDPA's
+            # speed on a Zen 1 EPYC, csrc/attention.cpp); bf16 without AMX, the native flash
+            # kernel on vdpbf16ps (csrc/flash_bf16.cpp).
+            kernel = native.attend_chunk_bf16 if bf16_chunks else native.attend_chunk
+            kernel(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values, out[s.q_start:s.q_start + s.q_len],
+                   scale)
             continue
-        dt = chunk_dtype if s.q_len > 1 and chunk_dtype else q.dtype
+        dt = chunk_dtype if s.q_len > 1 and chunk_dtype and not meta.per_query else q.dtype
         keys = kv_quant.read(keys, dt).transpose(0, 1)  # [kvh, C, d], a strided view when read in place
         values = kv_quant.read(values, dt).transpose(0, 1)
         rows = q[s.q_start:s.q_start + s.q_len]

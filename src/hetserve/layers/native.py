@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("qlinear.cpp", "cpu_ops.cpp", "attention.cpp", "f32linear.cpp", "decode_layers.cpp")
+SOURCES = ("qlinear.cpp", "cpu_ops.cpp", "attention.cpp", "flash_bf16.cpp", "f32linear.cpp", "decode_layers.cpp")
 _BASE = ["-mavx2", "-mfma", "-mf16c"]
 # name: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags). Best first.
 VARIANTS = {
@@ -232,6 +232,21 @@ def kernels():
     mod = build(name)
     mod.set_weight_prefetch(1, *one_row_prefetch(name))
     return mod
+
+
+@functools.cache
+def bf16_chunk_kernel() -> bool:
+    """Whether prefill chunks' bf16 attention runs the native kernel (csrc/flash_bf16.cpp): the
+    avx512 variant on a CPU with AVX512-BF16 and no AMX. On AMX CPUs torch's own flash attention
+    runs bf16 on the matrix unit (layers/attention.py), and the native kernel was not measured there.
+    Resolved once per process, as kernels() is."""
+    flags = cpu_features()
+    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+        return False
+    try:
+        return variant() == "avx512" and kernels().has_bf16_attention()
+    except NativeUnavailable:
+        return False
 
 
 def available() -> bool:

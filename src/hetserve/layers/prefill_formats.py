@@ -46,7 +46,7 @@ import logging
 
 import torch
 
-from .native import NativeUnavailable, cpu_features, variant
+from .native import NativeUnavailable, bf16_chunk_kernel, cpu_features, variant
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,29 @@ def kernels_beat_gemm() -> bool:
     if kernels == "avx512":
         return "amx_bf16" not in cpu_features()
     return kernels == "avx2" and not cpu_has_bf16_gemm()
+
+
+def resolve_prefill_attention(setting: str, prefill_format: str, device: str | torch.device,
+                              dtype: torch.dtype, deterministic: bool = False,
+                              head_dim: int = 64) -> torch.dtype | None:
+    """The dtype prefill chunks attend in (None: the activations'). auto: bf16 where the chunks'
+    linears run bf16 GEMM (torch's flash attention on the matrix unit), or under the quantized
+    kernels where the CPU has AVX512-BF16 and the native bf16 kernel takes the heads
+    (csrc/flash_bf16.cpp: a multiple of 32 up to 256; torch's bf16 SDPA was no faster than the
+    fp32 kernel there); fp32 elsewhere, and always in deterministic mode (each row attends alone,
+    as a decode row)."""
+    if setting not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"unknown prefill attention {setting!r}; choose one of auto, fp32, bf16")
+    if setting == "fp32" or deterministic or torch.device(device).type != "cpu" and setting == "auto":
+        return None
+    if setting == "bf16":
+        return torch.bfloat16
+    if dtype != torch.float32:
+        return None
+    if prefill_format == "bf16" or prefill_format == "kernel" and bf16_chunk_kernel() and head_dim % 32 == 0 \
+            and head_dim <= 256:
+        return torch.bfloat16
+    return None
 
 
 def resolve_prefill_format(fmt: str, device: str | torch.device, weight_format: str, dtype: torch.dtype) -> str:

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from .. import trace
 from ..layers import kv_quant, native
-from ..layers.attention import AttentionMetadata, attend_cached, write_kv
+from ..layers.attention import NATIVE_MAX_QUERY_ROWS, AttentionMetadata, attend_cached, write_kv
 from ..layers.linear import Linear, MatmulPolicy
 from ..layers.norm import rms_norm
 from ..layers.rotary import RotaryEmbedding
@@ -144,6 +144,9 @@ class DecoderModel:
         self.rope = rope
         self.dtype = dtype
         self.kv_dtype = dtype  # the KV cache's (EngineConfig.kv_cache_dtype)
+        # The dtype prefill chunks (more than NATIVE_MAX_QUERY_ROWS new tokens) attend in; None:
+        # the activations' (EngineConfig.prefill_attention, layers/prefill_formats.py).
+        self.chunk_attention: torch.dtype | None = None
         self.device = device
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.load_seconds = 0.0
@@ -256,7 +259,9 @@ class DecoderModel:
         it. The output head stays as it is (it shares the embedding's storage when tied, and
         prefill runs it on the last row of each sequence only). A model loaded without its fp32
         copies (from_gguf's gemm_weights=False) loads them here one linear at a time, each
-        converted before the next loads, so the fp32 model is never held whole."""
+        converted before the next loads, so the fp32 model is never held whole. Those steps'
+        chunks attend in `dtype` too (the loader may set chunk_attention otherwise)."""
+        self.chunk_attention = dtype
         with GGUFFile(self.path) if self._weights_in_file else nullcontext() as f:
             for lin in self.linears():
                 if not lin.has_gemm_weight:
@@ -333,9 +338,12 @@ class DecoderModel:
                     return plan.run(h, self.final_norm, cos, sin, kv_caches, meta.slot_mapping, rows, lens, tables,
                                     meta.page_size, self.policy.activation_passes)
             delta = None
-            # A step whose GEMMs run bf16 (prefill-sized) runs its chunks' attention in bf16 too;
-            # decode-sized steps keep every op fp32.
-            chunk_dtype = torch.bfloat16 if self.layers and self.layers[0].qkv.runs_lowp(t) else None
+            # Chunks attend in self.chunk_attention in steps whose GEMMs run bf16 (past the
+            # kernels' rows) or, with no bf16 GEMM, in any step that can hold a chunk; smaller
+            # steps keep every op in the activations' dtype (the numerics of every decode).
+            qkv = self.layers[0].qkv if self.layers else None
+            big = qkv is not None and (qkv.runs_lowp(t) if qkv.lowp else t > NATIVE_MAX_QUERY_ROWS)
+            chunk_dtype = self.chunk_attention if big else None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 with trace.span("layer", index=i):
                     with trace.span("attn"):

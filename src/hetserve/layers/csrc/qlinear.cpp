@@ -1032,6 +1032,7 @@ void register_cpu_ops(pybind11::module& m);      // cpu_ops.cpp: fused norm / Ro
 void register_attention(pybind11::module& m);    // attention.cpp: decode rows and prefill chunks
 void register_f32_linear(pybind11::module& m);  // f32linear.cpp: fixed-order fp32 linear
 void register_decode_layers(pybind11::module& m);  // decode_layers.cpp: a decoder's layers in one call
+void register_flash_bf16(pybind11::module& m);  // flash_bf16.cpp: prefill chunks on AVX512-BF16
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hetserve;
@@ -1039,6 +1040,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
   register_f32_linear(m);
   register_decode_layers(m);
+  register_flash_bf16(m);
   namespace py = pybind11;
   m.def("int8_linear", &int8_linear, "x . int8 group-wise weights in panels (int8 activations per group of 32)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
