@@ -409,14 +409,8 @@ namespace hetserve {
 // Each row's sums run in a fixed order over its own keys: a row's result depends on neither the
 // chunk's other rows nor the threads.
 void attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale) {
-  check_f32(q, "q");
-  check_f32(out, "out");
-  check_cache(k, v);
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [T, H, D], k and v [C, KVH, D]");
+  check_chunk(q, k, v, out, 16, 0);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), C = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(D % 16 == 0 && KVH > 0 && H % KVH == 0, "head sizes do not match (D a multiple of 16)");
-  TORCH_CHECK(T > 0 && C >= T, "the chunk's queries must be the last of its context");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "out [T, H * D] expected");
   const int64_t g = H / KVH, first = C - T, tiles = (C + kKeys - 1) / kKeys, ld = tiles * kKeys;
   std::vector<float> kt(KVH * tiles * D * kKeys, 0.f), vf(KVH * C * D);
   with_cache_type(k, [&](auto* type) {

@@ -250,15 +250,8 @@ namespace hetserve {
 // attend_chunk's contract (attention.cpp) in bf16 products with fp32 sums; D a multiple of 32 up
 // to 256, at most 64 query heads a KV head.
 void attend_chunk_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale) {
-  check_f32(q, "q");
-  check_f32(out, "out");
-  check_cache(k, v);
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [T, H, D], k and v [C, KVH, D]");
+  check_chunk(q, k, v, out, 32, 256);
   ChunkShape sh{q.size(0), q.size(1), q.size(2), k.size(0), k.size(1), 0, 0, 0};
-  TORCH_CHECK(sh.D % 32 == 0 && sh.D <= 256 && sh.KVH > 0 && sh.H % sh.KVH == 0,
-              "head sizes do not match (D a multiple of 32, at most 256)");
-  TORCH_CHECK(sh.T > 0 && sh.C >= sh.T, "the chunk's queries must be the last of its context");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == sh.T && out.size(1) == sh.H * sh.D, "out [T, H * D] expected");
   sh.g = sh.H / sh.KVH;
   TORCH_CHECK(sh.g <= 64, "at most 64 query heads per KV head");
   sh.first = sh.C - sh.T;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 namespace {
@@ -70,6 +71,24 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
                     t->is_contiguous() && t->device().is_cpu(),
                 "the caches must be contiguous fp32, fp16, bf16 or int8 (q8_0) CPU tensors");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the caches must share a dtype");
+}
+
+// The prefill-chunk kernels' shared contract (attend_chunk, attend_chunk_bf16): q [T, H, D] fp32,
+// k and v [C, KVH, row] of one cache dtype, the chunk's T queries the last of the C context
+// tokens, out [T, H * D] fp32; D a multiple of `multiple` up to `max_d` (0: any), the query
+// heads a whole number of KV heads.
+void check_chunk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                 int64_t multiple, int64_t max_d) {
+  check_f32(q, "q");
+  check_f32(out, "out");
+  check_cache(k, v);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [T, H, D], k and v [C, KVH, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), C = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(D % multiple == 0 && (max_d == 0 || D <= max_d) && KVH > 0 && H % KVH == 0,
+              "head sizes do not match (D a multiple of ", multiple,
+              max_d ? ", at most " + std::to_string(max_d) : std::string(), ")");
+  TORCH_CHECK(T > 0 && C >= T, "the chunk's queries must be the last of its context");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "out [T, H * D] expected");
 }
 
 // f(T*) with the caches' element type.
