@@ -135,7 +135,7 @@ def test_the_engine_runs_chunks_on_it(tiny32, monkeypatch):
     """With --prefill-attention bf16 a prompt's chunks (more than 16 tokens) run the bf16 kernel and
     rows of 16 or fewer keep the fp32 one; teacher-forced log-probabilities are as far from fp32
     chunks' as those of torch's bf16 SDPA are (the tiny random model magnifies bf16's rounding:
-    about 0.065 nats a token for both here; its greedy tokens are near ties, so not compared)."""
+    about 0.065 nats a token for both on a Zen 5; its greedy tokens are near ties, so not compared)."""
     import hetserve.layers.attention as attention
 
     calls, logp = [], {}
@@ -162,4 +162,30 @@ def test_the_engine_runs_chunks_on_it(tiny32, monkeypatch):
         assert calls == (["native"] * 6 if name == "native" else [])
         logp[name] = llm.token_logprobs(ids, chunk=64)
     native, sdpa = ((logp[n] - logp["fp32"]).abs().mean() for n in ("native", "sdpa"))
-    assert 0 < native < 1.5 * sdpa
+    assert 0 < native < 2 * sdpa  # within 1% of each other on a Zen 5
+
+
+@needs_kernel
+@pytest.mark.real_model
+def test_real_model_perplexity_with_bf16_chunks(real_05b):
+    """The 0.5B over tests/data/perplexity.txt (452 tokens): bf16 chunks' perplexity within 0.6% of
+    fp32 chunks' (measured on a Zen 5: +0.30%, standard error 0.15%, where torch's bf16 SDPA gave
+    +0.41% in one chunk and +0.76% in chunks of 128; on 8192 tokens of Python source the kernel
+    measured +0.000%, standard error 0.044%, docs/benchmarks.md), and the same log-probabilities
+    bit for bit whether the text runs in chunks of 128 or in one."""
+    from pathlib import Path
+
+    from hetserve.models.perplexity import from_logprobs
+
+    text = (Path(__file__).parent / "data/perplexity.txt").read_text()
+    ppl = {}
+    for setting in ("fp32", "bf16"):
+        llm = LLM(model=real_05b, kv_cache_memory="256MiB", prefill_attention=setting)
+        assert llm.model.chunk_attention == (torch.bfloat16 if setting == "bf16" else None)
+        logp = llm.token_logprobs(text, chunk=128)
+        ppl[setting] = from_logprobs(logp)
+        if setting == "bf16":
+            assert torch.equal(logp, llm.token_logprobs(text, chunk=452))
+        del llm
+    print(ppl)
+    assert abs(ppl["bf16"] / ppl["fp32"] - 1) < 0.006
