@@ -224,15 +224,21 @@ def test_a_chunk_row_attends_bit_for_bit_as_the_same_row_alone():
     assert torch.equal(single, whole)
 
 
-def test_chunk_attention_refuses_what_it_cannot_compute():
+# Each chunk kernel (fp32, and bf16 where this CPU has it: tests/test_flash_bf16.py) with a head
+# width it refuses and the multiple it names.
+@pytest.mark.parametrize("kernel,width,multiple", [("attend_chunk", 24, 16), ("attend_chunk_bf16", 16, 32)])
+def test_chunk_attention_refuses_what_it_cannot_compute(kernel, width, multiple):
+    if kernel == "attend_chunk_bf16" and not native.has_bf16_chunk_kernel():
+        pytest.skip("no bf16 chunk kernel here (needs AVX512-BF16 and the avx512 kernels)")
+    attend = getattr(ops, kernel)
     q, k = torch.randn(8, 4, 32), torch.randn(8, 2, 32)
     with pytest.raises(RuntimeError, match="last of its context"):
-        ops.attend_chunk(q, k[:5], k[:5], torch.empty(8, 128), 0.1)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.attend_chunk(q[..., :24].contiguous(), k[..., :24].contiguous(), k[..., :24].contiguous(),
-                         torch.empty(8, 96), 0.1)
+        attend(q, k[:5], k[:5], torch.empty(8, 128), 0.1)
+    with pytest.raises(RuntimeError, match=f"multiple of {multiple}"):
+        attend(q[..., :width].contiguous(), k[..., :width].contiguous(), k[..., :width].contiguous(),
+               torch.empty(8, 4 * width), 0.1)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.attend_chunk(q, k, k.half(), torch.empty(8, 128), 0.1)
+        attend(q, k, k.half(), torch.empty(8, 128), 0.1)
 
 
 @pytest.mark.parametrize("width", [151936, 1000, 5])  # the Qwen2.5 vocabulary; tails after blocks of 8

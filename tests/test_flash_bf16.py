@@ -1,6 +1,7 @@
 """The bf16 prefill-chunk attention (csrc/flash_bf16.cpp, vdpbf16ps): causal attention within bf16's
 rounding of the exact one, a row's bits independent of its chunk and the threads, int8 caches read
-as their dequantized values, and the engine choosing it where `--prefill-attention` says."""
+as their dequantized values, and the engine choosing it where `--prefill-attention` says (its
+refusals: tests/test_cpu_ops.py, beside the fp32 kernel's)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,9 @@ from hetserve.layers.prefill_formats import resolve_prefill_attention
 from tiny_model import write_tiny_gguf
 
 
-def _has_kernel() -> str | None:
-    """Why the kernel cannot run here, or None."""
-    if "avx512_bf16" not in native.cpu_features():
-        return "this CPU lacks AVX512-BF16"
-    if native.variant() != "avx512":
-        return f"the {native.variant()} kernels hold no bf16 attention"
-    return None
-
-
 LOG2E = 1.4426950408889634
-needs_kernel = pytest.mark.skipif(_has_kernel() is not None, reason=_has_kernel() or "")
+needs_kernel = pytest.mark.skipif(not native.has_bf16_chunk_kernel(),
+                                  reason="no bf16 chunk kernel here (needs AVX512-BF16 and the avx512 kernels)")
 
 
 def _reference(q, k, v, scale):
@@ -90,19 +83,6 @@ def test_int8_rows_are_read_as_their_values():
     ops.attend_chunk_bf16(q, k8, v8, a, 0.125)
     ops.attend_chunk_bf16(q, kv_quant.dequantize(k8), kv_quant.dequantize(v8), b, 0.125)
     assert torch.equal(a, b)
-
-
-@needs_kernel
-def test_refuses_what_it_cannot_compute():
-    ops = native.kernels()
-    q, k = torch.randn(8, 4, 32), torch.randn(8, 2, 32)
-    with pytest.raises(RuntimeError, match="last of its context"):
-        ops.attend_chunk_bf16(q, k[:5], k[:5], torch.empty(8, 128), 0.1)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.attend_chunk_bf16(q[..., :16].contiguous(), k[..., :16].contiguous(), k[..., :16].contiguous(),
-                              torch.empty(8, 64), 0.1)
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.attend_chunk_bf16(q, k, k.half(), torch.empty(8, 128), 0.1)
 
 
 def test_resolving_the_setting(monkeypatch):

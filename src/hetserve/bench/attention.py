@@ -88,7 +88,7 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
     """A chunk's attention a layer, each way this CPU runs it, alternated; medians in ms."""
     import torch.nn.functional as F
 
-    from ..layers.native import cpu_features, kernels, variant
+    from ..layers.native import bf16_chunk_heads, has_bf16_chunk_kernel, kernels
 
     k = kernels()
     H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -104,7 +104,7 @@ def measure_chunk(shape: dict, t: int, c: int, repeats: int, dtype: torch.dtype)
             attn_mask=mask, is_causal=mask is None, scale=D ** -0.5, enable_gqa=True)
 
     ways = {"fp32 kernel": lambda: k.attend_chunk(q, kc, vc, out, D ** -0.5)}
-    if "avx512_bf16" in cpu_features() and variant() == "avx512" and D % 32 == 0:
+    if has_bf16_chunk_kernel() and bf16_chunk_heads(D):
         ways["bf16 kernel"] = lambda: k.attend_chunk_bf16(q, kc, vc, out, D ** -0.5)
     ways["fp32 SDPA"], ways["bf16 SDPA"] = sdpa(torch.float32), sdpa(torch.bfloat16)
     times = {name: [] for name in ways}

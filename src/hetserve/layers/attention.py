@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import trace
 from . import kv_quant
-from .native import bf16_chunk_kernel
+from .native import bf16_chunk_heads, bf16_chunk_kernel
 
 
 @dataclass
@@ -176,22 +176,23 @@ def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_heads
         rows, lens, tables, seqs = split
         if len(rows):
             native.attend_rows(q.contiguous(), k_cache, v_cache, out, rows, lens, tables, meta.page_size, scale)
-    native_chunks = native is not None and q.dtype == torch.float32 and chunk_dtype in (None, torch.float32) \
-        and d % 16 == 0 and not meta.per_query
-    bf16_chunks = native is not None and q.dtype == torch.float32 and chunk_dtype == torch.bfloat16 \
-        and d % 32 == 0 and d <= 256 and not meta.per_query and bf16_chunk_kernel()
+    # Prefill chunks over the cache's own rows: fp32, the native kernel (about 2x SDPA's speed on a
+    # Zen 1 EPYC, csrc/attention.cpp); bf16 without AMX, the native flash kernel on vdpbf16ps
+    # (csrc/flash_bf16.cpp).
+    chunk_kernel = None
+    if native is not None and q.dtype == torch.float32 and not meta.per_query:
+        if chunk_dtype in (None, torch.float32) and d % 16 == 0:
+            chunk_kernel = native.attend_chunk
+        elif chunk_dtype == torch.bfloat16 and bf16_chunk_heads(d) and bf16_chunk_kernel():
+            chunk_kernel = native.attend_chunk_bf16
     for s in seqs:
         if s.kv_index is None:
             keys, values = k_cache[s.kv_start:s.kv_start + s.ctx_len], v_cache[s.kv_start:s.kv_start + s.ctx_len]
         else:
             keys, values = k_cache[s.kv_index], v_cache[s.kv_index]
-        if (native_chunks or bf16_chunks) and s.q_len > 1:
-            # Prefill chunks over the cache's own rows: fp32, the native kernel (about 2x SDPA's
-            # speed on a Zen 1 EPYC, csrc/attention.cpp); bf16 without AMX, the native flash
-            # kernel on vdpbf16ps (csrc/flash_bf16.cpp).
-            kernel = native.attend_chunk_bf16 if bf16_chunks else native.attend_chunk
-            kernel(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values, out[s.q_start:s.q_start + s.q_len],
-                   scale)
+        if chunk_kernel is not None and s.q_len > 1:
+            chunk_kernel(q[s.q_start:s.q_start + s.q_len].contiguous(), keys, values,
+                         out[s.q_start:s.q_start + s.q_len], scale)
             continue
         dt = chunk_dtype if s.q_len > 1 and chunk_dtype and not meta.per_query else q.dtype
         keys = kv_quant.read(keys, dt).transpose(0, 1)  # [kvh, C, d], a strided view when read in place

@@ -235,18 +235,28 @@ def kernels():
 
 
 @functools.cache
-def bf16_chunk_kernel() -> bool:
-    """Whether prefill chunks' bf16 attention runs the native kernel (csrc/flash_bf16.cpp): the
-    avx512 variant on a CPU with AVX512-BF16 and no AMX. On AMX CPUs torch's own flash attention
-    runs bf16 on the matrix unit (layers/attention.py), and the native kernel was not measured there.
-    Resolved once per process, as kernels() is."""
-    flags = cpu_features()
-    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+def has_bf16_chunk_kernel() -> bool:
+    """Whether this CPU runs the bf16 prefill-chunk kernel (csrc/flash_bf16.cpp,
+    attend_chunk_bf16): the avx512 variant on a CPU with AVX512-BF16. Resolved once per process,
+    as kernels() is."""
+    if "avx512_bf16" not in cpu_features():
         return False
     try:
         return variant() == "avx512" and kernels().has_bf16_attention()
     except NativeUnavailable:
         return False
+
+
+def bf16_chunk_kernel() -> bool:
+    """Whether prefill chunks' bf16 attention runs that kernel: where this CPU has it and no AMX. On
+    AMX CPUs torch's own flash attention runs bf16 on the matrix unit (layers/attention.py), and
+    the native kernel was not measured there."""
+    return has_bf16_chunk_kernel() and "amx_bf16" not in cpu_features()
+
+
+def bf16_chunk_heads(head_dim: int) -> bool:
+    """Whether the bf16 chunk kernel takes heads of head_dim (check_chunk in attend_chunk_bf16)."""
+    return head_dim % 32 == 0 and head_dim <= 256
 
 
 def available() -> bool:

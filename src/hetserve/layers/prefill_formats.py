@@ -46,7 +46,7 @@ import logging
 
 import torch
 
-from .native import NativeUnavailable, bf16_chunk_kernel, cpu_features, variant
+from .native import NativeUnavailable, bf16_chunk_heads, bf16_chunk_kernel, cpu_features, variant
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ def resolve_prefill_attention(setting: str, prefill_format: str, device: str | t
         return torch.bfloat16
     if dtype != torch.float32:
         return None
-    if prefill_format == "bf16" or prefill_format == "kernel" and bf16_chunk_kernel() and head_dim % 32 == 0 \
-            and head_dim <= 256:
+    if prefill_format == "bf16":
+        return torch.bfloat16
+    if prefill_format == "kernel" and bf16_chunk_kernel() and bf16_chunk_heads(head_dim):
         return torch.bfloat16
     return None
 

@@ -147,6 +147,13 @@ HS_BF16 void pack_head(const E* k, const E* v, int64_t C, int64_t KVH, int64_t h
   }
 }
 
+// The lanes of scores t .. t + 16 (in a block) that a row seeing keys up to lim (in the block)
+// sees; every lane where no row's limit falls inside the block.
+HS_BF16 inline __mmask16 live_lanes(bool masked, int64_t lim, int64_t t) {
+  if (!masked || lim - t >= 15) return _cvtu32_mask16(0xFFFFu);
+  return _cvtu32_mask16(lim - t < 0 ? 0u : (1u << (lim - t + 1)) - 1);
+}
+
 struct ChunkShape {
   int64_t T, H, D, C, KVH, g, first, padded;
 };
@@ -193,11 +200,8 @@ HS_BF16 void attend_block(const ChunkShape& sh, const float* qsrc, const uint16_
         float* sr = s.data() + r * kBlock;
         const int64_t lim = std::min<int64_t>(sh.first + b0 + std::min<int64_t>(r, rows - 1), last) - k0;  // last key seen, in block
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < n32; t += 16) {
-          const __mmask16 live = masked ? _cvtu32_mask16(lim - t >= 15 ? 0xFFFFu : lim - t < 0 ? 0u : (1u << (lim - t + 1)) - 1)
-                                        : _cvtu32_mask16(0xFFFFu);
-          mv = _mm512_mask_max_ps(mv, live, mv, _mm512_loadu_ps(sr + t));
-        }
+        for (int64_t t = 0; t < n32; t += 16)
+          mv = _mm512_mask_max_ps(mv, live_lanes(masked, lim, t), mv, _mm512_loadu_ps(sr + t));
         const float mi = m[j * kRows + r], mn = std::max(mi, _mm512_reduce_max_ps(mv));
         if (mn == -INFINITY) {  // no key of this block is seen by the row
           std::fill(pb.data() + r * ld2, pb.data() + r * ld2 + n32 / 2, 0u);
@@ -207,15 +211,10 @@ HS_BF16 void attend_block(const ChunkShape& sh, const float* qsrc, const uint16_
         const __m512 mb = _mm512_set1_ps(mn);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n32; t += 32) {
-          __m512 e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mb));
-          __m512 e1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + t + 16), mb));
-          if (masked) {
-            auto live = [&](int64_t u) {
-              return _cvtu32_mask16(lim - u >= 15 ? 0xFFFFu : lim - u < 0 ? 0u : (1u << (lim - u + 1)) - 1);
-            };
-            e0 = _mm512_maskz_mov_ps(live(t), e0);
-            e1 = _mm512_maskz_mov_ps(live(t + 16), e1);
-          }
+          const __m512 e0 = _mm512_maskz_mov_ps(live_lanes(masked, lim, t),
+                                                exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mb)));
+          const __m512 e1 = _mm512_maskz_mov_ps(live_lanes(masked, lim, t + 16),
+                                                exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + t + 16), mb)));
           const __m512i b = to_bf16(e0, e1);
           _mm512_storeu_si512(pb.data() + r * ld2 + t / 2, b);
           // The sum of the weights as rounded (what P V adds up), in fp32.
