@@ -202,23 +202,32 @@ def test_chunk_attention_matches_sdpa(dtype, heads, kvh, d, t, c):
     torch.testing.assert_close(out, _chunk_reference(q, k, v, d ** -0.5), rtol=1e-5, atol=2e-6)
 
 
-def test_a_chunk_row_attends_bit_for_bit_as_the_same_row_alone():
-    """Each row's sums run over its own keys in a fixed order: a row's result is the same in any chunk
-    that holds it (the chunk's other rows, its row tile, the threads), and alone."""
+# The chunk's last rows and shorter contexts; for the bf16 kernel (tiles of 12 positions, key
+# blocks of 256) also a last tile that a context ending at the row cuts short.
+@pytest.mark.parametrize("kernel,t,c,parts", [
+    ("attend_chunk", 20, 50, [(13, 20), (5, 12), (0, 1)]),
+    ("attend_chunk_bf16", 50, 300, [(13, 20), (5, 12), (0, 1), (37, 50)])])
+def test_a_chunk_row_attends_bit_for_bit_as_the_same_row_alone(kernel, t, c, parts):
+    """Each row's sums run over its own keys in a fixed order (the bf16 kernel's key blocks at fixed
+    positions, the keys a row does not see weighing exactly 0): a row's result is the same in any
+    chunk that holds it (the chunk's other rows, its row tile, the threads), and alone."""
+    if kernel == "attend_chunk_bf16" and not native.has_bf16_chunk_kernel():
+        pytest.skip("no bf16 chunk kernel here (needs AVX512-BF16 and the avx512 kernels)")
+    attend = getattr(ops, kernel)
     torch.manual_seed(7)
-    heads, kvh, d, t, c = 14, 2, 64, 20, 50
+    heads, kvh, d = 14, 2, 64
     q, k, v = torch.randn(t, heads, d), torch.randn(c, kvh, d).half(), torch.randn(c, kvh, d).half()
     whole = torch.empty(t, heads * d)
-    ops.attend_chunk(q, k, v, whole, 0.125)
+    attend(q, k, v, whole, 0.125)
     first = c - t
-    for lo, hi in [(13, 20), (5, 12), (0, 1)]:  # the chunk's last rows, and shorter contexts
+    for lo, hi in parts:
         part = torch.empty(hi - lo, heads * d)
-        ops.attend_chunk(q[lo:hi].contiguous(), k[:first + hi], v[:first + hi], part, 0.125)
+        attend(q[lo:hi].contiguous(), k[:first + hi], v[:first + hi], part, 0.125)
         assert torch.equal(part, whole[lo:hi])
     torch.set_num_threads(1)
     try:
         single = torch.empty(t, heads * d)
-        ops.attend_chunk(q, k, v, single, 0.125)
+        attend(q, k, v, single, 0.125)
     finally:
         torch.set_num_threads(native_threads)
     assert torch.equal(single, whole)

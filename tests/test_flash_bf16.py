@@ -1,7 +1,7 @@
 """The bf16 prefill-chunk attention (csrc/flash_bf16.cpp, vdpbf16ps): causal attention within bf16's
 rounding of the exact one, a row's bits independent of its chunk and the threads, int8 caches read
 as their dequantized values, and the engine choosing it where `--prefill-attention` says (its
-refusals: tests/test_cpu_ops.py, beside the fp32 kernel's)."""
+refusals and its rows' bits in any chunk: tests/test_cpu_ops.py, beside the fp32 kernel's)."""
 
 from __future__ import annotations
 
@@ -46,31 +46,6 @@ def test_matches_attention_over_bf16_inputs(dtype, heads, kvh, d, t, c):
     ref = _reference(q, k, v, d ** -0.5)
     # The weights' bf16 rounding (relative 2^-9 each) is all that is left.
     assert (out - ref).abs().max() < 0.01 and (out - ref).norm() / ref.norm() < 2e-3
-
-
-@needs_kernel
-def test_a_row_attends_bit_for_bit_in_any_chunk_and_on_any_threads():
-    """Key blocks lie at fixed positions and unseen keys weigh exactly 0: a row's result is the same
-    in any chunk that holds it (other rows, its tile of 12, a context ending at the row) and alone."""
-    ops = native.kernels()
-    torch.manual_seed(7)
-    heads, kvh, d, t, c = 14, 2, 64, 50, 300
-    q, k, v = torch.randn(t, heads, d), torch.randn(c, kvh, d).half(), torch.randn(c, kvh, d).half()
-    whole = torch.empty(t, heads * d)
-    ops.attend_chunk_bf16(q, k, v, whole, 0.125)
-    first = c - t
-    for lo, hi in [(13, 20), (5, 12), (0, 1), (37, 50)]:
-        part = torch.empty(hi - lo, heads * d)
-        ops.attend_chunk_bf16(q[lo:hi].contiguous(), k[:first + hi], v[:first + hi], part, 0.125)
-        assert torch.equal(part, whole[lo:hi])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = torch.empty(t, heads * d)
-        ops.attend_chunk_bf16(q, k, v, single, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single, whole)
 
 
 @needs_kernel
