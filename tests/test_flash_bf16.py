@@ -1,7 +1,7 @@
 """The bf16 prefill-chunk attention (csrc/flash_bf16.cpp, vdpbf16ps): causal attention within bf16's
-rounding of the exact one, a row's bits independent of its chunk and the threads, int8 caches read
-as their dequantized values, and the engine choosing it where `--prefill-attention` says (its
-refusals and its rows' bits in any chunk: tests/test_cpu_ops.py, beside the fp32 kernel's)."""
+rounding of the exact one, int8 caches read as their dequantized values, the engine choosing it
+where `--prefill-attention` says, the real model's perplexity with it. Its rows' bits in any chunk
+and on any threads, and its refusals, are tested beside the fp32 kernel's (tests/test_cpu_ops.py)."""
 
 from __future__ import annotations
 
