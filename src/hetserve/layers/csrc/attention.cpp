@@ -16,17 +16,20 @@ namespace {
 // The decode attention's K and V rows come from DRAM (a step's weights have evicted them), a
 // token's row of a KV head at a time, KVH * D floats apart in the cache ([slots, KVH, D]; 1 KiB
 // for the 1.5B) and in pages wherever the block table says: past what the hardware prefetchers
-// follow. Asking for the rows a few tokens ahead cut a 600-token context's attention by a third
-// (cold caches). The scores' pass asks twice, as the weight stream does (qlinear.cpp): K and V
-// rows kFarAhead tokens ahead into L2, K rows kRowsAhead ahead into L1. The far requests keep
-// more lines in flight than L1's miss buffers hold, and V is in L2 by the values' pass: 10-25%
-// off a 600-token context's attention on a Zen 4 EPYC (cold caches, 0.5B and 1.5B heads).
-constexpr int64_t kRowsAhead = 8;     // tokens ahead in the scores' pass over K, into L1
-constexpr int64_t kFarAhead = 32;     // tokens ahead in the scores' pass over K and V, into L2
+// follow. So the kernel asks for them itself. A row's keys are taken in blocks of kBlock (scores,
+// their softmax, the weighted values: an online softmax over the blocks, flash-decoding style),
+// and while a block computes, the next block's rows are asked for into L2: its K rows during the
+// scores' pass, its V rows during the values' pass, a row per row computed, so the memory system
+// streams through both passes and each row comes from DRAM once. (With two whole passes over the
+// context the values' pass found V evicted from L2 past about 4k tokens of the 0.5B's heads, and
+// the scores' pass's requests for it were read twice; at 8k tokens cold caches cost 60% over warm.)
+// Within a block, K rows kRowsAhead ahead are asked for into L1.
+constexpr int64_t kRowsAhead = 8;    // tokens ahead in the scores' pass over K, into L1
+constexpr int64_t kBlock = 256;      // keys a block (fp16 K and V of a 1.5B head: 128 KiB, in L2)
 constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass over V
 
 // Always inlined: GCC's IPA takes a function that only prefetches for one without side effects
-// and deletes its calls (a separate prefetch_ahead lost every prefetch of the scores' pass).
+// and deletes its calls (a separate prefetch function lost every prefetch of the scores' pass).
 #define HS_PREFETCH __attribute__((always_inline)) inline
 
 // A row of D values asked for into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
@@ -36,39 +39,54 @@ HS_PREFETCH void prefetch_row(const T* row, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + l, Hint);
 }
 
-// The scores' requests for token t's rows: K at t + kRowsAhead into L1, K and V at t + kFarAhead
-// into L2; the pass starts by asking for the first kRowsAhead K rows.
+// The scores' requests at token t of a context of n: K at t + kRowsAhead into L1, the next
+// block's K at t + kBlock into L2.
 template <class T>
-HS_PREFETCH void prefetch_ahead(const T* const* k, const T* const* v, int64_t t, int64_t n, int64_t D) {
+HS_PREFETCH void prefetch_scores(const T* const* k, int64_t t, int64_t n, int64_t D) {
   if (t + kRowsAhead < n) prefetch_row(k[t + kRowsAhead], D);
-  if (t + kFarAhead < n) {
-    prefetch_row<_MM_HINT_T1>(k[t + kFarAhead], D);
-    prefetch_row<_MM_HINT_T1>(v[t + kFarAhead], D);
-  }
+  if (t + kBlock < n) prefetch_row<_MM_HINT_T1>(k[t + kBlock], D);
 }
 
+// The first block's rows (nothing computes before them), K's first rows into L1.
 template <class T>
-HS_PREFETCH void prefetch_start(const T* const* k, int64_t n, int64_t D) {
+HS_PREFETCH void prefetch_first_block(const T* const* k, const T* const* v, int64_t n, int64_t D) {
+  for (int64_t t = 0; t < std::min(n, kBlock); ++t) {
+    prefetch_row<_MM_HINT_T1>(k[t], D);
+    prefetch_row<_MM_HINT_T1>(v[t], D);
+  }
   for (int64_t t = 0; t < std::min(n, kRowsAhead); ++t) prefetch_row(k[t], D);
 }
 
-// Row s[0 .. n) -> exp(s - max) in place (n > 0); returns 1 / their sum. Both passes' softmax.
-inline float softmax_row(float* s, int64_t n) {
+// One head's block of scores s[0 .. nb) into exp(s - m') in place, m' = max(m, the block's max):
+// m becomes m', l the running sum (l * alpha + the block's); returns alpha = exp(m - m'), the
+// factor for what was summed before (0 on the first block, exactly 1 where the max held).
+inline float online_block(float* s, int64_t nb, float& m, float& l) {
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t t = 0;
-  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-  float m = hmax(mv);
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  const __m256 mb = _mm256_set1_ps(m);
+  for (; t + 8 <= nb; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float mb = hmax(mv);
+  for (; t < nb; ++t) mb = std::max(mb, s[t]);
+  const float m1 = std::max(m, mb);
+  const float alpha = m == -INFINITY ? 0.f : m1 == m ? 1.f : exp1(m - m1);
+  const __m256 m1v = _mm256_set1_ps(m1);
   __m256 sv = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= n; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+  for (t = 0; t + 8 <= nb; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m1v));
     _mm256_storeu_ps(s + t, e);
     sv = _mm256_add_ps(sv, e);
   }
   float sum = hsum(sv);
-  for (; t < n; ++t) sum += (s[t] = exp1(s[t] - m));
-  return 1.f / sum;
+  for (; t < nb; ++t) sum += (s[t] = exp1(s[t] - m1));
+  l = l * alpha + sum;
+  m = m1;
+  return alpha;
+}
+
+// Row s[0 .. n) -> exp(s - max) in place (n > 0); returns 1 / their sum (the chunks' softmax).
+inline float softmax_row(float* s, int64_t n) {
+  float m = -INFINITY, l = 0.f;
+  online_block(s, n, m, l);
+  return 1.f / l;
 }
 
 // Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
@@ -84,11 +102,12 @@ inline void score_key(const float* q, const T* kt, int64_t D, float sc, float* p
   for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
 }
 
+// Keys t0 .. t1 of a context of n (a block): scores to p[j * kBlock + t - t0].
 template <int J, class T>
-void head_scores(const float* q, const T* const* k, const T* const* v, int64_t n, int64_t D, float sc, float* p) {
-  for (int64_t t = 0; t < n; ++t) {
-    prefetch_ahead(k, v, t, n, D);
-    score_key<J>(q, k[t], D, sc, p, n, t);
+void head_scores(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc, float* p) {
+  for (int64_t t = t0; t < t1; ++t) {
+    prefetch_scores(k, t, n, D);
+    score_key<J>(q, k[t], D, sc, p, kBlock, t - t0);
   }
 }
 
@@ -99,12 +118,14 @@ void head_scores(const float* q, const T* const* k, const T* const* v, int64_t n
 // where one vector at a time swept all n rows, each V line was fetched twice and, past a few
 // hundred tokens, from DRAM again. EB = 2 (a cache line) fits AVX2's 16 registers up to J = 6
 // (and needs D a multiple of 16).
+// Over the keys b0 .. b1 of a context of n (a block, weights p[j * kBlock + t - b0]), added to
+// out; the values' requests: V rows two chunks ahead into L1, the next block's into L2.
 template <int J, int EB, class T>
-void head_values(const float* p, const T* const* v, int64_t n, int64_t D, float* out) {
-  std::fill(out, out + J * D, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
-    const int64_t t1 = std::min(n, t0 + kValueChunk);
-    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(n, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+void head_values(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t D, float* out) {
+  for (int64_t t0 = b0; t0 < b1; t0 += kValueChunk) {
+    const int64_t t1 = std::min(b1, t0 + kValueChunk);
+    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(b1, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+    for (int64_t t = t0 + kBlock; t < std::min(n, t1 + kBlock); ++t) prefetch_row<_MM_HINT_T1>(v[t], D);
     for (int64_t e = 0; e < D; e += 8 * EB) {
       __m256 acc[J][EB];
       for (int j = 0; j < J; ++j)
@@ -113,7 +134,7 @@ void head_values(const float* p, const T* const* v, int64_t n, int64_t D, float*
         __m256 vv[EB];
         for (int b = 0; b < EB; ++b) vv[b] = load_row8(v[t], e + 8 * b);
         for (int j = 0; j < J; ++j) {
-          const __m256 pj = _mm256_set1_ps(p[j * n + t]);
+          const __m256 pj = _mm256_set1_ps(p[j * kBlock + t - b0]);
           for (int b = 0; b < EB; ++b) acc[j][b] = _mm256_fmadd_ps(pj, vv[b], acc[j][b]);
         }
       }
@@ -165,11 +186,12 @@ inline __m128 hsum4(__m512 a, __m512 b) {
 }
 
 template <int J, class T>
-void head_scores_wide(const float* q, const T* const* k, const T* const* v, int64_t n, int64_t D, float sc, float* p) {
-  int64_t t = 0;
+void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc,
+                      float* p) {
+  int64_t t = t0;
   const __m128 scv = _mm_set1_ps(sc);
-  for (; t + 4 <= n; t += 4) {
-    for (int64_t i = 0; i < 4; ++i) prefetch_ahead(k, v, t + i, n, D);
+  for (; t + 4 <= t1; t += 4) {
+    for (int64_t i = 0; i < 4; ++i) prefetch_scores(k, t + i, n, D);
     __m512 acc[2][J];
     for (int j = 0; j < J; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
@@ -181,11 +203,11 @@ void head_scores_wide(const float* q, const T* const* k, const T* const* v, int6
         acc[1][j] = _mm512_fmadd_ps(qb, k1, acc[1][j]);
       }
     }
-    for (int j = 0; j < J; ++j) _mm_storeu_ps(p + j * n + t, _mm_mul_ps(hsum4(acc[0][j], acc[1][j]), scv));
+    for (int j = 0; j < J; ++j) _mm_storeu_ps(p + j * kBlock + t - t0, _mm_mul_ps(hsum4(acc[0][j], acc[1][j]), scv));
   }
-  for (; t + 2 <= n; t += 2) {
-    prefetch_ahead(k, v, t, n, D);
-    prefetch_ahead(k, v, t + 1, n, D);
+  for (; t + 2 <= t1; t += 2) {
+    prefetch_scores(k, t, n, D);
+    prefetch_scores(k, t + 1, n, D);
     __m512 acc[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
@@ -194,21 +216,24 @@ void head_scores_wide(const float* q, const T* const* k, const T* const* v, int6
         acc[j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e)), kv, acc[j]);
     }
     for (int j = 0; j < J; ++j) {
-      p[j * n + t] = hsum(_mm512_castps512_ps256(acc[j])) * sc;
-      p[j * n + t + 1] = hsum(_mm512_extractf32x8_ps(acc[j], 1)) * sc;
+      p[j * kBlock + t - t0] = hsum(_mm512_castps512_ps256(acc[j])) * sc;
+      p[j * kBlock + t - t0 + 1] = hsum(_mm512_extractf32x8_ps(acc[j], 1)) * sc;
     }
   }
-  if (t < n) score_key<J>(q, k[t], D, sc, p, n, t);
+  if (t < t1) {
+    prefetch_scores(k, t, n, D);
+    score_key<J>(q, k[t], D, sc, p, kBlock, t - t0);
+  }
 }
 
 // Values: 32 floats of D at a time, each 16-lane register two of head_values' 8-lane vectors
 // (needs D a multiple of 32); 32 registers hold J = 8 heads' sums.
 template <int J, class T>
-void head_values_wide(const float* p, const T* const* v, int64_t n, int64_t D, float* out) {
-  std::fill(out, out + J * D, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
-    const int64_t t1 = std::min(n, t0 + kValueChunk);
-    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(n, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+void head_values_wide(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t D, float* out) {
+  for (int64_t t0 = b0; t0 < b1; t0 += kValueChunk) {
+    const int64_t t1 = std::min(b1, t0 + kValueChunk);
+    for (int64_t t = t0 + 2 * kValueChunk; t < std::min(b1, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
+    for (int64_t t = t0 + kBlock; t < std::min(n, t1 + kBlock); ++t) prefetch_row<_MM_HINT_T1>(v[t], D);
     for (int64_t e = 0; e < D; e += 32) {
       __m512 acc[J][2];
       for (int j = 0; j < J; ++j)
@@ -216,7 +241,7 @@ void head_values_wide(const float* p, const T* const* v, int64_t n, int64_t D, f
       for (int64_t t = t0; t < t1; ++t) {
         const __m512 v0 = load_row16(v[t], e), v1 = load_row16(v[t], e + 16);
         for (int j = 0; j < J; ++j) {
-          const __m512 pj = _mm512_set1_ps(p[j * n + t]);
+          const __m512 pj = _mm512_set1_ps(p[j * kBlock + t - b0]);
           acc[j][0] = _mm512_fmadd_ps(pj, v0, acc[j][0]);
           acc[j][1] = _mm512_fmadd_ps(pj, v1, acc[j][1]);
         }
@@ -231,9 +256,9 @@ void head_values_wide(const float* p, const T* const* v, int64_t n, int64_t D, f
 // The two passes for J = 1..8 heads at a time (a compile-time count of register chains), over
 // caches of T (fp32, or fp16 / bf16 widened as each row is loaded).
 template <class T>
-using ScoresFn = void (*)(const float*, const T* const*, const T* const*, int64_t, int64_t, float, float*);
+using ScoresFn = void (*)(const float*, const T* const*, int64_t, int64_t, int64_t, int64_t, float, float*);
 template <class T>
-using ValuesFn = void (*)(const float*, const T* const*, int64_t, int64_t, float*);
+using ValuesFn = void (*)(const float*, const T* const*, int64_t, int64_t, int64_t, int64_t, float*);
 template <class T>
 constexpr ScoresFn<T> kHeadScores[8] = {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -301,32 +326,46 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
                 "the caches' rows do not match the head size (int8: a multiple of 32)");
     const C *kc = static_cast<const C*>(k_cache.data_ptr()), *vc = static_cast<const C*>(v_cache.data_ptr());
     at::parallel_for(0, R * KVH, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p, acc(g * D);
+      std::vector<float> p(g * kBlock), acc(g * D);
       std::vector<const C*> krow, vrow;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r = i / KVH, h = i % KVH, n = cp[r];
         const int64_t* table = tp + r * P;
         const float* qh = qp + (rp[r] * H + h * g) * D;
-        p.resize(g * n);
         krow.resize(n);
         vrow.resize(n);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = ((table[t / page_size] * page_size + t % page_size) * KVH + h) * RE;
-          krow[t] = kc + off;
-          vrow[t] = vc + off;
+        for (int64_t t0 = 0; t0 < n; t0 += page_size) {  // a page at a time: no division a token
+          const int64_t base = (table[t0 / page_size] * page_size * KVH + h) * RE;
+          for (int64_t t = t0; t < std::min(n, t0 + page_size); ++t) {
+            krow[t] = kc + base + (t - t0) * KVH * RE;
+            vrow[t] = vc + base + (t - t0) * KVH * RE;
+          }
         }
-        prefetch_start(krow.data(), n, D);
-        for (int64_t j0 = 0; j0 < g; j0 += 8)
-          kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, krow.data(), vrow.data(), n, D, sc,
-                                                           p.data() + j0 * n);
-        float inv_sum[64];
-        for (int64_t j = 0; j < g; ++j) inv_sum[j] = softmax_row(p.data() + j * n, n);
-        for (int64_t j0 = 0; j0 < g; j0 += 8)
-          kHeadValues<C>[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](p.data() + j0 * n, vrow.data(), n, D,
-                                                                                 acc.data() + j0 * D);
+        prefetch_first_block(krow.data(), vrow.data(), n, D);
+        float m[64], l[64];
+        std::fill(m, m + g, -INFINITY);
+        std::fill(l, l + g, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+          const int64_t b1 = std::min(n, b0 + kBlock);
+          for (int64_t j0 = 0; j0 < g; j0 += 8)
+            kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, krow.data(), b0, b1, n, D, sc,
+                                                             p.data() + j0 * kBlock);
+          for (int64_t j = 0; j < g; ++j) {
+            const float alpha = online_block(p.data() + j * kBlock, b1 - b0, m[j], l[j]);
+            if (b0 > 0 && alpha != 1.f) {
+              const __m256 av = _mm256_set1_ps(alpha);
+              for (float* a = acc.data() + j * D; a < acc.data() + (j + 1) * D; a += 8)
+                _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_loadu_ps(a), av));
+            }
+          }
+          for (int64_t j0 = 0; j0 < g; j0 += 8)
+            kHeadValues<C>[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](
+                p.data() + j0 * kBlock, vrow.data(), b0, b1, n, D, acc.data() + j0 * D);
+        }
         for (int64_t j = 0; j < g; ++j) {
           float* o = op + rp[r] * H * D + (h * g + j) * D;
-          const __m256 iv = _mm256_set1_ps(inv_sum[j]);
+          const __m256 iv = _mm256_set1_ps(1.f / l[j]);
           for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + j * D + e), iv));
         }
       }
