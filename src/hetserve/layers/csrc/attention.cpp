@@ -20,9 +20,12 @@ namespace {
 // their softmax, the weighted values: an online softmax over the blocks, flash-decoding style),
 // and while a block computes, the next block's rows are asked for into L2: its K rows during the
 // scores' pass, its V rows during the values' pass, a row per row computed, so the memory system
-// streams through both passes and each row comes from DRAM once. (With two whole passes over the
-// context the values' pass found V evicted from L2 past about 4k tokens of the 0.5B's heads, and
-// the scores' pass's requests for it were read twice; at 8k tokens cold caches cost 60% over warm.)
+// streams through both passes and each row is asked for once. Two whole passes over the context
+// (K then V, V asked for during the first and read again in the second) decoded 67-69 tok/s at 8k
+// tokens of the 0.5B on a Zen 5 EPYC where this does 79-82. Found no faster there, end to end:
+// the context split across the threads in segments (each thread one contiguous run of slots, the
+// partial sums merged) and scores with the keys in the vector lanes (no horizontal sums), both
+// faster in `bench attention`'s loop of layers, slower in a decode step; the caches on huge pages.
 // Within a block, K rows kRowsAhead ahead are asked for into L1.
 constexpr int64_t kRowsAhead = 8;    // tokens ahead in the scores' pass over K, into L1
 constexpr int64_t kBlock = 256;      // keys a block (fp16 K and V of a 1.5B head: 128 KiB, in L2)
