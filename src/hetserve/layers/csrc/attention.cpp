@@ -25,7 +25,7 @@ namespace {
 // tokens of the 0.5B on a Zen 5 EPYC where this does 79-82. Found no faster there, end to end:
 // the context split across the threads in segments (each thread one contiguous run of slots, the
 // partial sums merged) and scores with the keys in the vector lanes (no horizontal sums), both
-// faster in `bench attention`'s loop of layers, slower in a decode step; the caches on huge pages.
+// faster in `bench attention`'s loop of layers, not in a decode step; the caches on huge pages.
 // Within a block, K rows kRowsAhead ahead are asked for into L1.
 constexpr int64_t kRowsAhead = 8;    // tokens ahead in the scores' pass over K, into L1
 constexpr int64_t kBlock = 256;      // keys a block (fp16 K and V of a 1.5B head: 128 KiB, in L2)
