@@ -92,17 +92,17 @@ inline float softmax_row(float* s, int64_t n) {
   return 1.f / l;
 }
 
-// Scores of J query heads (rows q + j * D) against keys k[0 .. n): one pass over the keys, J
+// Scores of J query heads (rows q + j * D) against one key kt, to p[j * kBlock + t]: J
 // independent FMA chains sharing each key load (one chain per dot product was latency-bound).
 template <int J, class T>
-inline void score_key(const float* q, const T* kt, int64_t D, float sc, float* p, int64_t n, int64_t t) {
+inline void score_key(const float* q, const T* kt, int64_t D, float sc, float* p, int64_t t) {
   __m256 acc[J];
   for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t e = 0; e < D; e += 8) {
     const __m256 kv = load_row8(kt, e);
     for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + e), kv, acc[j]);
   }
-  for (int j = 0; j < J; ++j) p[j * n + t] = hsum(acc[j]) * sc;
+  for (int j = 0; j < J; ++j) p[j * kBlock + t] = hsum(acc[j]) * sc;
 }
 
 // Keys t0 .. t1 of a context of n (a block): scores to p[j * kBlock + t - t0].
@@ -110,19 +110,18 @@ template <int J, class T>
 void head_scores(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc, float* p) {
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_scores(k, t, n, D);
-    score_key<J>(q, k[t], D, sc, p, kBlock, t - t0);
+    score_key<J>(q, k[t], D, sc, p, t - t0);
   }
 }
 
-// out[j] = sum_t p[j * n + t] * v[t] for J heads: chunks of kValueChunk tokens (in L1 once
-// read), each swept EB vectors of D at a time with the J * EB sums in registers (accumulating in
-// memory was bound by stores) and kept in `out` between chunks. Each output lane is one FMA chain
-// over t = 0 .. n - 1 in order whatever the chunking, so the bits are those of a single sweep;
-// where one vector at a time swept all n rows, each V line was fetched twice and, past a few
-// hundred tokens, from DRAM again. EB = 2 (a cache line) fits AVX2's 16 registers up to J = 6
-// (and needs D a multiple of 16).
-// Over the keys b0 .. b1 of a context of n (a block, weights p[j * kBlock + t - b0]), added to
-// out; the values' requests: V rows two chunks ahead into L1, the next block's into L2.
+// out[j] += sum_t p[j * kBlock + t - b0] * v[t] over the keys b0 .. b1 of a context of n (a
+// block) for J heads: chunks of kValueChunk tokens (in L1 once read), each swept EB vectors of D
+// at a time with the J * EB sums in registers (accumulating in memory was bound by stores) and
+// kept in `out` between chunks. Each output lane is one FMA chain over t = b0 .. b1 - 1 in order
+// whatever the chunking, so the bits are those of a single sweep; where one vector at a time
+// swept all the rows, each V line was fetched twice and, past a few hundred tokens, from DRAM
+// again. The values' requests: V rows two chunks ahead into L1, the next block's into L2. EB = 2
+// (a cache line) fits AVX2's 16 registers up to J = 6 (and needs D a multiple of 16).
 template <int J, int EB, class T>
 void head_values(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t D, float* out) {
   for (int64_t t0 = b0; t0 < b1; t0 += kValueChunk) {
@@ -225,7 +224,7 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
   }
   if (t < t1) {
     prefetch_scores(k, t, n, D);
-    score_key<J>(q, k[t], D, sc, p, kBlock, t - t0);
+    score_key<J>(q, k[t], D, sc, p, t - t0);
   }
 }
 
