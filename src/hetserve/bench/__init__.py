@@ -4,6 +4,7 @@ from . import (
                attention,
                autocomplete,
                disagg,
+               kl,
                kv_cache,
                kv_layout,
                latency,
@@ -20,4 +21,4 @@ from . import (
 )
 
 BENCHMARKS = (latency, throughput, kv_layout, matmul, prefix_cache, serve, load, tracing, routing, speculative,
-               weight_formats, disagg, structured, attention, autocomplete, kv_cache)
+               weight_formats, disagg, structured, attention, autocomplete, kv_cache, kl)

@@ -13,9 +13,12 @@ from .decoder import DecoderModel
 
 
 @torch.inference_mode()
-def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torch.Tensor:
-    """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1, fed `chunk` tokens per forward (as a
-    chunked prefill would), with a private KV cache."""
+def token_logits(model: DecoderModel, ids: list[int], chunk: int = 32, decode_from: int | None = None):
+    """Teacher-forced logits: yields (start, [rows, num_logits]) where row j holds the logits
+    after ids[:start + j + 1], i.e. the prediction of ids[start + j + 1], for positions 0 ..
+    len(ids)-2 in order. Fed `chunk` tokens per forward (as a chunked prefill runs them) with a
+    private KV cache; from position `decode_from` on, one token per forward (as decode steps
+    run them: the one-row kernels and, where it runs, the native layer loop)."""
     page = 16
     n = len(ids)
     if not 2 <= n <= model.config.max_position + 1:  # positions 0 .. n - 2 are fed
@@ -23,14 +26,26 @@ def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torc
     pages = -(-n // page)
     kv = model.allocate_kv_cache(pages * page)
     table = list(range(pages))
-    out = []
-    for start in range(0, n - 1, chunk):
-        end = min(start + chunk, n - 1)
+    split = n - 1 if decode_from is None else max(0, min(decode_from, n - 1))
+    bounds = [*range(0, split, chunk), split, *range(split + 1, n)]
+    for start, end in zip(bounds, bounds[1:]):
+        if end <= start:
+            continue
         meta = AttentionMetadata.build([end - start], [end], [table], page, model.device)
         hidden = model.forward(torch.tensor(ids[start:end], device=model.device),
                                torch.arange(start, end, device=model.device), meta, kv)
-        logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
-        out.append(logp.gather(1, torch.tensor(ids[start + 1:end + 1], device=model.device)[:, None])[:, 0])
+        yield start, model.compute_logits(hidden).float()
+
+
+@torch.inference_mode()
+def token_logprobs(model: DecoderModel, ids: list[int], chunk: int = 32) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1, fed `chunk` tokens per forward (as a
+    chunked prefill would), with a private KV cache."""
+    out = []
+    for start, logits in token_logits(model, ids, chunk):
+        logp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.tensor(ids[start + 1:start + 1 + logp.shape[0]], device=logp.device)
+        out.append(logp.gather(1, nxt[:, None])[:, 0])
     return torch.cat(out)
 
 
