@@ -100,23 +100,47 @@ def test_decode_scoring_runs_one_token_a_forward_and_agrees_with_prefill(tiny_qw
     a, b = torch.cat([x for _, x in prefill]), torch.cat([x for _, x in decode])
     assert a.shape == b.shape == (39, llm.model.num_logits)
     assert torch.equal(a[:20], b[:20]) and torch.allclose(a[20:], b[20:], atol=1e-4)
+    # beside another sequence's prefill chunk a step (bench kl's batch mode): the same rows
+    batch = list(token_logits(llm.model, ids, chunk=16, decode_from=20, neighbour=5))
+    assert [s for s, _ in batch] == [s for s, _ in decode]
+    c = torch.cat([x for _, x in batch])
+    assert c.shape == a.shape and torch.equal(c[:20], a[:20]) and torch.allclose(c[20:], b[20:], atol=1e-4)
+    with pytest.raises(ValueError, match="neighbour"):
+        next(token_logits(llm.model, ids, neighbour=41))
     lp = token_logprobs(llm.model, ids, chunk=16)
     assert torch.allclose(lp, torch.log_softmax(a, 1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
 
 
+def test_deterministic_decode_rows_are_the_same_bits_beside_a_neighbour(tiny_qwen2):
+    """--deterministic's batch invariance, as bench kl's batch mode measures it: a decode row
+    sharing its step with another sequence's prefill chunk gives the bits it gives alone."""
+    from hetserve.layers import native
+    from hetserve.llm import LLM
+    from hetserve.models.perplexity import token_logits
+
+    if not native.available():
+        pytest.skip(f"int8 weights need the native extension: {native.describe()}")
+    llm = LLM(model=tiny_qwen2, kv_cache_memory="4MiB", weight_format="int8", deterministic=True)
+    ids = llm.encode("for i in range(10):\n    print(i * i)\n" * 3)[:48]
+    alone = torch.cat([x for _, x in token_logits(llm.model, ids, chunk=16, decode_from=24)])
+    beside = torch.cat([x for _, x in token_logits(llm.model, ids, chunk=16, decode_from=24, neighbour=20)])
+    assert torch.equal(alone, beside)
+
+
 def test_bench_kl_scores_variants_against_the_exact_model(tiny_qwen2, tmp_path):
     """The all-fp32 variant scores KL ~0 against its own reference (the stored rows' rounding);
-    int8 weights score more, in both modes; the llama.cpp file it writes holds the same tokens."""
+    int8 weights score more, in every mode; the llama.cpp file it writes holds the same tokens."""
     from hetserve.cli import main
 
     out, base = tmp_path / "kl.json", tmp_path / "base.kld"
     assert main(["bench", "kl", "--model", tiny_qwen2, "--tokens", "96", "--chunk", "32", "--kv-cache-memory", "4MiB",
                  "--variant", "exact:weight_format=fp32,kv_cache_dtype=float32,prefill_attention=fp32,prefill_format=fp32",
-                 "--variant", "int8:weight_format=int8", "--llama-base", str(base), "--out", str(out)]) == 0
+                 "--variant", "int8:weight_format=int8", "--modes", "prefill,decode,batch", "--llama-base", str(base),
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     got = {(r["variant"], r["mode"]): r for r in report["results"]}
-    assert set(got) == {(v, m) for v in ("exact", "int8") for m in ("prefill", "decode")}
-    for mode in ("prefill", "decode"):
+    assert set(got) == {(v, m) for v in ("exact", "int8") for m in ("prefill", "decode", "batch")}
+    for mode in ("prefill", "decode", "batch"):
         exact, int8 = got["exact", mode]["second_half"], got["int8", mode]["second_half"]
         assert exact["positions"] == int8["positions"] == 47  # 48 .. 94
         assert exact["mean_kl"] < 1e-5 and exact["same_top_pct"] == 100

@@ -12,7 +12,8 @@ Each variant (--variant, default: the engine flags as given, and the same with
 --deterministic) is scored in each --modes: `prefill` feeds the text in chunks of --chunk tokens
 (as a chunked prefill runs; a prefix-cache hit resumes at a page boundary, the same numerics),
 `decode` prefills the first half the same way and then feeds one token a forward (as decode
-steps run). Reported per variant and mode: mean KL(reference || variant) with its standard
+steps run), `batch` the same with each of those rows in a step beside another sequence's
+prefill chunk of --neighbour tokens (a busy server's mixed step). Reported per variant and mode: mean KL(reference || variant) with its standard
 error, its 99th and 99.9th percentiles and maximum, the rate at which the two top-1 tokens
 agree, and ln(PPL/PPL_ref), over llama.cpp's positions (the second half) and by ranges of
 position (does the gap grow with context?).
@@ -83,7 +84,12 @@ def main(args) -> int:
 
     kw = engine_kwargs(args)
     n = args.tokens
+    if args.llama_perplexity and n < 202:
+        raise SystemExit("llama-perplexity prints its statistics over 100 positions or more: --tokens 202 or more")
     first = n // 2
+    modes = args.modes.split(",")
+    if set(modes) - {"prefill", "decode", "batch"}:
+        raise SystemExit(f"--modes: {args.modes!r}: each is prefill, decode or batch")
     text = Path(args.text).read_text() if args.text else default_text()
     report = {"benchmark": "kl", "model": args.model, "command": " ".join(sys.argv), "tokens": n, "chunk": args.chunk,
               "text": args.text or "stdlib:" + ",".join(STDLIB_TEXT), "reference": REFERENCE, "results": []}
@@ -109,12 +115,13 @@ def main(args) -> int:
 
         for name, over in [parse_variant(v) for v in args.variant or ["default", "deterministic:deterministic=true"]]:
             llm = LLM(model=args.model, **{**kw, **over})
-            for mode in args.modes.split(","):
+            for mode in modes:
                 t0 = time.perf_counter()
                 parts = [score_rows(logits, rows[start:start + logits.shape[0]],
                                     targets[start:start + logits.shape[0]], n_vocab)
                          for start, logits in token_logits(llm.model, ids, args.chunk,
-                                                           decode_from=first if mode == "decode" else None)]
+                                                           decode_from=None if mode == "prefill" else first,
+                                                           neighbour=args.neighbour if mode == "batch" else 0)]
                 scores = TokenScores.cat(parts)
                 row = {"variant": name, "overrides": {k: str(v) for k, v in over.items()}, "mode": mode,
                        "seconds": round(time.perf_counter() - t0, 1), "second_half": scores.summary(first),
@@ -156,7 +163,8 @@ def add_parser(sub) -> None:
     add_model_flag(p)
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the text scored (llama.cpp's n_ctx)")
     p.add_argument("--chunk", type=int, default=512, help="tokens a prefill forward")
-    p.add_argument("--modes", default="prefill,decode", help="prefill and/or decode (see the module's help)")
+    p.add_argument("--modes", default="prefill,decode", help="prefill, decode and/or batch (see the module's help)")
+    p.add_argument("--neighbour", type=int, default=32, help="batch mode: the other sequence's chunk a step")
     p.add_argument("--variant", action="append",
                    help="name[:key=value,...] of engine flags over the given ones (repeatable; default: "
                         "'default' and 'deterministic:deterministic=true')")

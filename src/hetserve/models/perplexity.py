@@ -12,29 +12,48 @@ from ..layers.attention import AttentionMetadata
 from .decoder import DecoderModel
 
 
+NEIGHBOUR_SPAN = 512  # tokens a batch neighbour's context grows to before it starts again
+
+
 @torch.inference_mode()
-def token_logits(model: DecoderModel, ids: list[int], chunk: int = 32, decode_from: int | None = None):
+def token_logits(model: DecoderModel, ids: list[int], chunk: int = 32, decode_from: int | None = None,
+                 neighbour: int = 0):
     """Teacher-forced logits: yields (start, [rows, num_logits]) where row j holds the logits
     after ids[:start + j + 1], i.e. the prediction of ids[start + j + 1], for positions 0 ..
     len(ids)-2 in order. Fed `chunk` tokens per forward (as a chunked prefill runs them) with a
     private KV cache; from position `decode_from` on, one token per forward (as decode steps
-    run them: the one-row kernels and, where it runs, the native layer loop)."""
+    run them: the one-row kernels and, where it runs, the native layer loop). With `neighbour`,
+    each of those decode rows shares its step with a prefill chunk of that many tokens of
+    another sequence (the text's own start, its context growing to NEIGHBOUR_SPAN tokens, or
+    the text's length, and starting again), as a busy server's mixed steps run them."""
     page = 16
     n = len(ids)
     if not 2 <= n <= model.config.max_position + 1:  # positions 0 .. n - 2 are fed
         raise ValueError(f"scoring takes 2 to {model.config.max_position + 1} tokens (the model's context); got {n}")
+    if not 0 <= neighbour <= min(NEIGHBOUR_SPAN, n):
+        raise ValueError(f"a neighbour's chunk takes 0 to {min(NEIGHBOUR_SPAN, n)} tokens; got {neighbour}")
     pages = -(-n // page)
-    kv = model.allocate_kv_cache(pages * page)
-    table = list(range(pages))
+    other_pages = -(-NEIGHBOUR_SPAN // page) if neighbour else 0
+    kv = model.allocate_kv_cache((pages + other_pages) * page)
+    table, other = list(range(pages)), list(range(pages, pages + other_pages))
     split = n - 1 if decode_from is None else max(0, min(decode_from, n - 1))
     bounds = [*range(0, split, chunk), split, *range(split + 1, n)]
+    other_len, span = 0, min(NEIGHBOUR_SPAN, n)
     for start, end in zip(bounds, bounds[1:]):
         if end <= start:
             continue
-        meta = AttentionMetadata.build([end - start], [end], [table], page, model.device)
-        hidden = model.forward(torch.tensor(ids[start:end], device=model.device),
-                               torch.arange(start, end, device=model.device), meta, kv)
-        yield start, model.compute_logits(hidden).float()
+        tokens, positions = ids[start:end], list(range(start, end))
+        lens, ctx, tables = [end - start], [end], [table]
+        if neighbour and start >= split:
+            other_len = 0 if other_len + neighbour > span else other_len
+            tokens += ids[other_len:other_len + neighbour]
+            positions += range(other_len, other_len + neighbour)
+            other_len += neighbour
+            lens, ctx, tables = [1, neighbour], [end, other_len], [table, other]
+        meta = AttentionMetadata.build(lens, ctx, tables, page, model.device)
+        hidden = model.forward(torch.tensor(tokens, device=model.device), torch.tensor(positions, device=model.device),
+                               meta, kv)
+        yield start, model.compute_logits(hidden[:end - start]).float()
 
 
 @torch.inference_mode()
