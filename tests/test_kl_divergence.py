@@ -149,3 +149,51 @@ def test_bench_kl_scores_variants_against_the_exact_model(tiny_qwen2, tmp_path):
         assert spans == [(0, 64), (64, 95)]
     tokens, n_vocab, rows = read_llama_base(base)
     assert len(tokens) == 96 and rows.shape == (47, row_elems(n_vocab))
+
+
+LLAMA_TAIL = """====== Perplexity statistics ======
+Mean PPL(Q)                   :   3.353812 ±   0.078836
+Mean PPL(base)                :   3.350114 ±   0.078620
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.98%
+Mean ln(PPL(Q)/PPL(base))     :   0.001103 ±   0.000475
+
+====== KL divergence statistics ======
+Mean    KLD:   0.000547 ±   0.000012
+Maximum KLD:   0.034203
+99.9%   KLD:   0.012718
+99.0%   KLD:   0.004471
+Median  KLD:   0.000166
+
+====== Token probability statistics ======
+RMS Δp    :  0.783 ± 0.018 %
+Same top p: 99.170 ± 0.100 %
+"""
+
+
+def test_bench_kl_runs_llama_perplexity_on_the_reference_file(tiny_qwen2, tmp_path):
+    """--llama-perplexity runs the binary on the reference's file with n_ctx = --tokens and reads
+    its closing statistics (the block above is llama.cpp 0.3.36's, from a real run); a binary
+    that prints none is an error, not a silent row."""
+    from hetserve.bench.kl import parse_llama
+    from hetserve.cli import main
+
+    seen = tmp_path / "args.txt"
+    fake = tmp_path / "llama-perplexity"
+    (tmp_path / "tail.txt").write_text(LLAMA_TAIL)
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\nhead -c 8 \"$4\" >> {seen}\ncat {tmp_path / 'tail.txt'}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "kl.json"
+    assert main(["bench", "kl", "--model", tiny_qwen2, "--tokens", "240", "--chunk", "64", "--kv-cache-memory", "4MiB",
+                 "--variant", "default", "--modes", "prefill", "--llama-perplexity", str(fake),
+                 "--llama-model", "M.gguf", "--out", str(out)]) == 0
+    args = seen.read_text()
+    assert args.startswith("-m M.gguf --kl-divergence-base ") and "--kl-divergence -c 240 -t 2" in args
+    assert args.rstrip().endswith("_logits_")  # the file existed, in llama.cpp's format, when it ran
+    got = json.loads(out.read_text())["llama_cpp"]
+    assert (got["mean_kl"], got["kl_se"], got["p99_kl"], got["p999_kl"], got["max_kl"]) == \
+        (0.000547, 0.000012, 0.004471, 0.012718, 0.034203)
+    assert (got["same_top_pct"], got["ln_ppl_ratio"], got["ppl_ref"]) == (99.17, 0.001103, 3.350114)
+    with pytest.raises(RuntimeError, match="no KL statistics"):
+        parse_llama("chunk PPL ...\n")
+    with pytest.raises(SystemExit, match="202 or more"):
+        main(["bench", "kl", "--model", tiny_qwen2, "--tokens", "128", "--llama-perplexity", str(fake)])
