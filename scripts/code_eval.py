@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 
 from hetserve import LLM, SamplingParams
+from hetserve.bench.kl import REFERENCE
 
-EXACT = {"weight_format": "fp32", "kv_cache_dtype": "float32", "prefill_attention": "fp32", "prefill_format": "fp32"}
-VARIANTS = {"default": {}, "deterministic": {"deterministic": True}, "exact": EXACT}
+VARIANTS = {"default": {}, "deterministic": {"deterministic": True}, "exact": REFERENCE}
 ASK = "Complete the following Python function. Reply with the whole function in one ```python code block.\n\n"
 
 
@@ -103,10 +103,10 @@ def main() -> None:
     exact = tokens.get("exact")
     summary = {"problems": len(problems), "solved": {k: sum(v) for k, v in solved.items()}}
     if exact is not None:
-        summary["equal_to_exact"] = {k: sum(_same(a, b) for a, b in zip(v, exact)) for k, v in tokens.items()}
+        summary["equal_to_exact"] = {k: sum(a == b for a, b in zip(v, exact)) for k, v in tokens.items()}
     names = list(tokens)
     summary["where_two_part"] = {
-        f"{a} vs {b}": {"differ": sum(not _same(x, y) for x, y in zip(tokens[a], tokens[b])),
+        f"{a} vs {b}": {"differ": sum(x != y for x, y in zip(tokens[a], tokens[b])),
                         f"only {a} solved": sum(x and not y for x, y in zip(solved[a], solved[b])),
                         f"only {b} solved": sum(y and not x for x, y in zip(solved[a], solved[b]))}
         for i, a in enumerate(names) for b in names[i + 1:]}
@@ -115,10 +115,6 @@ def main() -> None:
         rows = [{"task_id": p["task_id"], **{k: {"passed": solved[k][i], "tokens": tokens[k][i]} for k in tokens}}
                 for i, p in enumerate(problems)]
         Path(args.out).write_text(json.dumps({"summary": summary, "problems": rows}))
-
-
-def _same(a: list[int], b: list[int]) -> bool:
-    return list(a) == list(b)
 
 
 if __name__ == "__main__":

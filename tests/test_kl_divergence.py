@@ -197,3 +197,16 @@ def test_bench_kl_runs_llama_perplexity_on_the_reference_file(tiny_qwen2, tmp_pa
         parse_llama("chunk PPL ...\n")
     with pytest.raises(SystemExit, match="202 or more"):
         main(["bench", "kl", "--model", tiny_qwen2, "--tokens", "128", "--llama-perplexity", str(fake)])
+
+
+def test_variants_take_engine_settings_as_device_overrides_do():
+    """--variant's key=value items are checked and typed as --inference-device's overrides are."""
+    from hetserve.bench.kl import parse_variant
+
+    assert parse_variant("default") == ("default", {})
+    assert parse_variant("x:max-num-seqs=4,deterministic=true,kv_cache_dtype=int8") == \
+        ("x", {"max_num_seqs": 4, "deterministic": True, "kv_cache_dtype": "int8"})
+    with pytest.raises(SystemExit, match="unknown override 'no_such=1'; valid keys: .*max_num_seqs"):
+        parse_variant("x:no_such=1")
+    with pytest.raises(SystemExit, match="expected an integer"):
+        parse_variant("x:max_num_seqs=many")

@@ -46,15 +46,16 @@ LLAMA_FIELDS = {"mean_kl": r"Mean\s+KLD:\s+(\S+)", "kl_se": r"Mean\s+KLD:\s+\S+\
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """'name' or 'name:key=value,key=value' (EngineConfig fields) -> (name, overrides)."""
+    """'name' or 'name:key=value,key=value' (engine settings, as --inference-device's overrides)
+    -> (name, overrides)."""
+    from ..serving.devices import override_fields, parse_override
+
     name, _, rest = spec.partition(":")
-    over = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--variant {spec!r}: {item!r} is not key=value")
-        over[key.replace("-", "_")] = {"true": True, "false": False}.get(value.lower(), value)
-    return name, over
+    fields = override_fields()
+    try:
+        return name, dict(parse_override(item, fields, f"--variant {spec!r}") for item in filter(None, rest.split(",")))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def parse_llama(output: str) -> dict:

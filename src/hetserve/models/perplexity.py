@@ -39,9 +39,7 @@ def token_logits(model: DecoderModel, ids: list[int], chunk: int = 32, decode_fr
     split = n - 1 if decode_from is None else max(0, min(decode_from, n - 1))
     bounds = [*range(0, split, chunk), split, *range(split + 1, n)]
     other_len, span = 0, min(NEIGHBOUR_SPAN, n)
-    for start, end in zip(bounds, bounds[1:]):
-        if end <= start:
-            continue
+    for start, end in zip(bounds, bounds[1:]):  # strictly increasing
         tokens, positions = ids[start:end], list(range(start, end))
         lens, ctx, tables = [end - start], [end], [table]
         if neighbour and start >= split:

@@ -50,10 +50,23 @@ def _convert(key: str, value: str, kind):
     return value
 
 
+def override_fields() -> dict[str, str]:
+    """The keys a `key=value` engine override may set, with their types: every EngineConfig
+    field but the device, and the model's dtype."""
+    return {f.name: f.type for f in dataclasses.fields(EngineConfig) if f.name != "device"} | {"dtype": "str"}
+
+
+def parse_override(item: str, fields: dict[str, str], what: str) -> tuple[str, object]:
+    """One `key=value` (dashes or underscores) -> (field, value converted to the field's type)."""
+    key, sep, val = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or key not in fields:
+        raise ValueError(f"{what}: unknown override {item!r}; valid keys: {', '.join(sorted(fields))}")
+    return key, _convert(key, val.strip(), fields[key])
+
+
 def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32") -> list[WorkerSpec]:
-    fields = {f.name: f.type for f in dataclasses.fields(EngineConfig)} | {"dtype": "str", "threads": "int",
-                                                                          "node": "str"}
-    fields.pop("device")
+    fields = override_fields() | {"threads": "int", "node": "str"}
     named = set()
     for v in values:
         m = _BASE.fullmatch(v.split(",")[0].strip())  # local GPUs named: `gpu` takes another
@@ -84,12 +97,7 @@ def parse_devices(values: list[str], engine_kwargs: dict, dtype: str = "float32"
             device = device.split(":")[0] + (":0" if device.startswith("cuda") else "")
         kw, wdtype, node = dict(engine_kwargs), dtype, None
         for o in overrides:
-            key, sep, val = o.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep or key not in fields:
-                raise ValueError(f"--inference-device {value!r}: unknown override {o!r}; valid keys: "
-                                 f"{', '.join(sorted(fields))}")
-            val = _convert(key, val.strip(), fields[key])
+            key, val = parse_override(o, fields, f"--inference-device {value!r}")
             if key == "dtype":
                 wdtype = val
             elif key == "node":
