@@ -92,7 +92,7 @@ def test_kernel_variants_give_the_same_bits(variant):
     torch.manual_seed(5)
     for n, k in [(4864, 896), (896, 4864), (131, 224)]:
         w, b = torch.randn(n, k), torch.randn(n)
-        for m in (1, 2, 3, 4, 5, 17):
+        for m in (1, 2, 3, 4, 5, 17, 71):  # 71: AVX-512's pair tiles (csrc/qlinear.cpp)
             x = torch.randn(m, k)
             assert torch.equal(ours.f32_linear(x, w, b), portable.f32_linear(x, w, b))
             for fmt in ("int8", "int4"):
@@ -129,7 +129,7 @@ def test_kernel_variants_give_the_same_bits(variant):
                    ("q4_k", 512)]:
         qw = file_format(fmt, 67, k, seed=k)[0]
         b = torch.randn(67)
-        for m in (1, 2, 3, 4, 5, 17):
+        for m in (1, 2, 3, 4, 5, 17, 71):  # 71: AVX-512's pair tiles (csrc/qlinear.cpp)
             x = torch.randn(m, k)
             for passes in (1, 2):
                 args = (x, qw.q, qw.scale, *((qw.min,) if qw.has_min else ()), qw.rows, b, passes)

@@ -288,6 +288,21 @@ __attribute__((always_inline)) inline void unsigned_sums(VI (&chains)[kChains<R>
   }
 }
 
+// A group's exact integer dot products for the R rows, one output a lane, for a format with
+// `unsigned_quads` (its 8 quads as unsigned bytes) and kOffset (the signed integer is the
+// unsigned one less kOffset: the dot product less kOffset * sum(xq)).
+template <int R, class W>
+__attribute__((always_inline)) inline void wide_dots(const W& w, const uint8_t* group, const Rows<R>& x, int64_t g,
+                                                     VI (&out)[R]) {
+  VI v[8], chains[kChains<R>][R];
+  w.unsigned_quads(group, v);
+  zero_chains<R>(chains);
+  for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
+  unsigned_sums<R>(chains, out);
+  if constexpr (W::kOffset != 0)
+    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], set32(W::kOffset * x.sum[r][g]));
+}
+
 // A group's 4 nibble vectors at w (int4, q5_0, q6_k) unpacked: quads 2c (low nibbles) and
 // 2c + 1 (high) of vector c. (AVX2 unpacks them one vector at a time, see add_pairs.)
 __attribute__((always_inline)) inline void nibbles(const uint8_t* w, VI (&v)[8]) {
@@ -363,6 +378,15 @@ struct Int8Weights {
   static constexpr int64_t kBytes = 8 * 64;
   static constexpr int kPrefetchRows = kWide ? 3 : 1;  // see kPrefetchL1
   static constexpr int kRows = kMaxRows;
+#if kWide
+  // vpdpbusd multiplies unsigned by signed bytes: q + 128 (0..255) is unsigned, and the
+  // 128 * sum(xq) it adds is taken off (kOffset).
+  static constexpr int kOffset = 128;
+  static constexpr bool kPairTiles = false;  // nothing to unpack: slower as pairs (see pair_tile)
+  __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
+    for (int k = 0; k < 8; ++k) v[k] = xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80)));
+  }
+#endif
   const int8_t* q; const at::Half* scale; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return reinterpret_cast<const uint8_t*>(q) + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -371,13 +395,7 @@ struct Int8Weights {
                                                   const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
 #if kWide
-    // vpdpbusd multiplies unsigned by signed bytes: q + 128 (0..255) is unsigned, and the
-    // 128 * sum(xq) it adds is taken off after.
-    VI chains[kChains<R>][R];
-    zero_chains<R>(chains);
-    for (int k = 0; k < 8; ++k) add_quad<R>(xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80))), k, x, g, chains);
-    unsigned_sums<R>(chains, out[0]);
-    for (int r = 0; r < R; ++r) out[0][r] = sub32(out[0][r], shl32<7>(set32(x.sum[r][g])));
+    wide_dots<R>(*this, w, x, g, out[0]);
 #else
     // |q| as unsigned and the sign moved onto x: a pair of products is at most 2 * 128 * 127.
     for (int h = 0; h < 2; ++h)
@@ -403,6 +421,11 @@ struct Int4Weights {
   static constexpr int64_t kBytes = 4 * 64;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
+#if kWide
+  static constexpr int kOffset = 0;  // its offset is the min, a float term
+  static constexpr bool kPairTiles = true;
+  __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const { nibbles(w, v); }
+#endif
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -412,11 +435,7 @@ struct Int4Weights {
                                                   const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
 #if kWide
-    VI v[8], chains[kChains<R>][R];
-    nibbles(w, v);
-    zero_chains<R>(chains);
-    for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
-    unsigned_sums<R>(chains, out[0]);
+    wide_dots<R>(*this, w, x, g, out[0]);
 #else
     // All 8 quads' products (at most 2 * 15 * 127 a pair, 30480 in all) fit a 16-bit lane.
     const uint8_t* src = kDec ? dec + g * kDecoded : w;
@@ -468,6 +487,20 @@ struct Int5Weights {
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
+#if kWide
+  static constexpr int kOffset = kMin ? 0 : 16;  // Q5_0: (q - 16) * xq
+  static constexpr bool kPairTiles = true;
+  __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
+    const VI bit = bytes(0x10);
+    const VI plane = loadi(w + 256);
+    nibbles(w, v);
+    each_vector([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      v[2 * C] = or_and(v[2 * C], bit_to_4<2 * C>(plane), bit);
+      v[2 * C + 1] = or_and(v[2 * C + 1], bit_to_4<2 * C + 1>(plane), bit);
+    });
+  }
+#endif
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
@@ -477,20 +510,7 @@ struct Int5Weights {
                                                   const uint8_t* dec = nullptr) const {
     const uint8_t* w = group(p, g);
 #if kWide
-    const VI bit = bytes(0x10);
-    const VI plane = loadi(w + 256);
-    VI v[8], chains[kChains<R>][R];
-    nibbles(w, v);
-    each_vector([&](auto c) {
-      constexpr int C = decltype(c)::value;
-      v[2 * C] = or_and(v[2 * C], bit_to_4<2 * C>(plane), bit);
-      v[2 * C + 1] = or_and(v[2 * C + 1], bit_to_4<2 * C + 1>(plane), bit);
-    });
-    zero_chains<R>(chains);
-    for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
-    unsigned_sums<R>(chains, out[0]);
-    if constexpr (!kMin)
-      for (int r = 0; r < R; ++r) out[0][r] = sub32(out[0][r], shl32<4>(set32(x.sum[r][g])));
+    wide_dots<R>(*this, w, x, g, out[0]);
 #else
     // All 8 quads' products summed in 16-bit lanes, wrapping: a lane's true sum S (16 products
     // of q in 0..31) may not fit, but S - 16 * (the lane's activation sum) = sum (q - 16) * xq,
@@ -540,6 +560,7 @@ struct Int6KWeights {
   // room for 6 rows: at 8 they spilled (1.6x slower); summing the halves one after the other
   // fit 8 rows but was no faster at 8 and 5-10% slower at 5 and 512.
   static constexpr int kRows = kWide ? 6 : kMaxRows;
+  static constexpr bool kPairTiles = false;  // its sub-scales need sums of their own
   const uint8_t* q; const at::Half* d; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(d + (p * (G / 8) + g / 8) * kPanel + h * kLanes); }
@@ -659,6 +680,19 @@ inline void prefetch_group(const uint8_t* group, int64_t bytes, int64_t l1, int6
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(here + l1 + l, _MM_HINT_T0);
 }
 
+// Sums of outputs n0 .. n0 + kLanes - 1 (those below N) for rows m0 .. m0 + R - 1 into y, plus the bias.
+template <int R>
+__attribute__((always_inline)) inline void store_lanes(const VF (&acc)[R], int64_t m0, int64_t n0, int64_t N,
+                                                       const float* bias, float* y) {
+  const int64_t valid = std::min<int64_t>(kLanes, N - n0);
+  for (int r = 0; r < R && valid > 0; ++r) {
+    alignas(64) float out[kLanes];
+    storef(out, acc[r]);
+    float* yr = y + (m0 + r) * N + n0;
+    for (int64_t j = 0; j < valid; ++j) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.f);
+  }
+}
+
 // Panel p's outputs against activation rows m0 .. m0 + R - 1, group after group. On AVX2 a
 // panel's two halves of 8 outputs run in the same pass over its groups (tiles of up to 4 rows
 // keep both halves' sums in registers): in two passes, memory sat idle during the second.
@@ -683,15 +717,7 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
       }
     }
   }
-  for (int h = 0; h < kHalves; ++h) {
-    const int64_t n0 = p * kPanel + h * kLanes, valid = std::min<int64_t>(kLanes, N - n0);
-    for (int r = 0; r < R && valid > 0; ++r) {
-      alignas(64) float out[kLanes];
-      storef(out, acc[h][r]);
-      float* yr = y + (m0 + r) * N + n0;
-      for (int64_t j = 0; j < valid; ++j) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.f);
-    }
-  }
+  for (int h = 0; h < kHalves; ++h) store_lanes<R>(acc[h], m0, p * kPanel + h * kLanes, N, bias, y);
 }
 
 // The last rows (fewer than W::kRows) as one tile.
@@ -733,6 +759,111 @@ void decode_panel(const W& w, int64_t p, uint8_t* out) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * C + 64 + 32 * h), hi[h]);
       }
     });
+  }
+}
+#endif
+
+#if kWide
+// ---- Many rows (prefill) on AVX-512: panels unpacked once, tiles of 2 panels x 6 rows.
+// tile() unpacks a panel's groups again for each tile of rows and spends each broadcast
+// activation quad on one vpdpbusd; the unpacking and the broadcasts compete with vpdpbusd for
+// the vector pipes. Here a pair of panels is unpacked once into unsigned bytes (kDecoded a group,
+// in cache for every tile of rows) and each broadcast feeds both panels: a quad's 12
+// multiply-adds cost 2 loads and 6 broadcasts where tile() spent 8 broadcasts on 8. The integer
+// offset (kOffset * sum(xq)) starts each sum instead of being taken off after. The integers, and
+// the order of the fp32 sums over groups, are tile()'s: the same bits at every row count, so a
+// row's result does not depend on which path its step took.
+// Formats with kPairTiles: q5_0/q5_1 (their unpacking is the most work) and int4/q4_k. On a Zen 5
+// EPYC, 512 rows, both builds in one process, alternated 4 times: the 0.5B's q5_0 linears 1.37
+// against 1.15 TOP/s (1.19x), the 1.5B's q4_k 1.28 against 1.22 (1.05x; tiles of 5 rows or of
+// one panel x 8 were slower). int8 (nothing to unpack) ran 0.7x as pairs, and at 32 rows q4_k
+// 0.8x (a panel pair unpacked for few tiles), hence kPairMinRows. Q6_K, with a sum per sub-scale,
+// keeps tile().
+constexpr int kPairPanels = 2;
+constexpr int kPairRows = 6;  // 12 integer and 12 fp32 sums, 2 weight vectors, a broadcast: 27 registers
+constexpr int64_t kPairMinRows = 64;  // from here a call takes the pair path (formats with kPairTiles)
+
+
+// P panels from p0 unpacked: group g's quads of panel p0 + j at dec + (g * P + j) * kDecoded.
+template <int P, class W>
+void decode_panels(const W& w, int64_t p0, uint8_t* dec) {
+  const int64_t l1 = g_prefetch[1].l1, l2 = g_prefetch[1].l2;
+  for (int64_t g = 0; g < w.G; ++g)
+    for (int j = 0; j < P; ++j) {
+      const uint8_t* src = w.group(p0 + j, g);
+      prefetch_group(src, W::kBytes, l1, l2);
+      VI v[8];
+      w.unsigned_quads(src, v);
+      uint8_t* out = dec + (g * P + j) * kDecoded;
+      for (int k = 0; k < 8; ++k) _mm512_storeu_si512(out + 64 * k, v[k]);
+    }
+}
+
+// Panels p0 .. p0 + P - 1 against rows m0 .. m0 + R - 1, from their decoded quads.
+template <int P, int R, class W>
+void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int64_t p0, int64_t N,
+               const float* bias, float* y) {
+  const Rows<R> x(xq, m0);
+  VF acc[P][R];
+  for (int j = 0; j < P; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = zerof();
+  for (int64_t g = 0; g < w.G; ++g) {
+    const uint8_t* v = dec + g * P * kDecoded;
+    VI sums[P][R];
+    for (int r = 0; r < R; ++r) {
+      const VI start = W::kOffset ? set32(-W::kOffset * x.sum[r][g]) : zero();
+      for (int j = 0; j < P; ++j) sums[j][r] = start;
+    }
+    for (int k = 0; k < 8; ++k) {
+      VI wv[P];
+      for (int j = 0; j < P; ++j) wv[j] = loadi(v + j * kDecoded + 64 * k);
+      for (int r = 0; r < R; ++r) {
+        const VI b = quad(x.x[r] + g * kGroup + 4 * k);
+        for (int j = 0; j < P; ++j) sums[j][r] = _mm512_dpbusd_epi32(sums[j][r], wv[j], b);
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      const VF ws = w.scales(p0 + j, g, 0);
+      for (int r = 0; r < R; ++r) acc[j][r] = fmadd(cvt(sums[j][r]), mul(ws, setf(x.d[r][g])), acc[j][r]);
+      if constexpr (W::kHasMin) {
+        const VF wm = w.mins(p0 + j, g, 0);
+        for (int r = 0; r < R; ++r) acc[j][r] = fmadd(wm, setf(x.s[r][g]), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < P; ++j) store_lanes<R>(acc[j], m0, (p0 + j) * kPanel, N, bias, y);
+}
+
+// The last rows (fewer than kPairRows) as one tile.
+template <int P, int R, class W>
+void pair_rest(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m, int64_t left, int64_t p0, int64_t N,
+               const float* bias, float* y) {
+  if constexpr (R > 0) {
+    if (left == R) pair_tile<P, R>(w, dec, xq, m, p0, N, bias, y);
+    else pair_rest<P, R - 1>(w, dec, xq, m, left, p0, N, bias, y);
+  }
+}
+
+// Panels p0 .. p0 + P - 1 against all M rows: tiles of kPairRows, then the rest as one tile.
+template <int P, class W>
+void pair_rows(const W& w, const uint8_t* dec, const QuantX& xq, int64_t M, int64_t p0, int64_t N,
+               const float* bias, float* y) {
+  int64_t m = 0;
+  for (; m + kPairRows <= M; m += kPairRows) pair_tile<P, kPairRows>(w, dec, xq, m, p0, N, bias, y);
+  pair_rest<P, kPairRows - 1>(w, dec, xq, m, M - m, p0, N, bias, y);
+}
+
+// The panels from p0 (P of them, fewer at the end) decoded, then against all M rows.
+template <int P, class W>
+void pair_panels(const W& w, uint8_t* dec, const QuantX& xq, int64_t M, int64_t p0, int64_t panels, int64_t N,
+                 const float* bias, float* y) {
+  if constexpr (P > 0) {
+    if (p0 + P <= panels) {
+      decode_panels<P>(w, p0, dec);
+      pair_rows<P>(w, dec, xq, M, p0, N, bias, y);
+    } else {
+      pair_panels<P - 1>(w, dec, xq, M, p0, panels, N, bias, y);
+    }
   }
 }
 #endif
@@ -795,9 +926,29 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   const bool has_bias = bias && bias->defined();
   const float* bp = has_bias && passes == 1 ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const auto finish = [&](torch::Tensor& y) -> torch::Tensor {
+    if (passes == 1) return y;
+    auto pairs = y.view({x.size(0), 2, N});
+    auto out = pairs.select(1, 0) + pairs.select(1, 1);
+    return has_bias ? out.add_(*bias) : out;
+  };
+  const int64_t panels = num_panels(N);
+#if kWide
+  if constexpr (W::kPairTiles) {
+    if (M >= kPairMinRows) {
+      parallel_panels((panels + kPairPanels - 1) / kPairPanels, [&](int64_t q0, int64_t q1) {
+        static thread_local std::vector<uint8_t> dec;
+        dec.resize(kPairPanels * w.G * kDecoded);
+        for (int64_t q = q0; q < q1; ++q)
+          pair_panels<kPairPanels>(w, dec.data(), xq, M, q * kPairPanels, panels, N, bp, yp);
+      });
+      return finish(y);
+    }
+  }
+#endif
   // Panels in order (one sequential stream of weights); a panel is read from memory once, for
   // its first tile of rows, and stays in cache for the others.
-  parallel_panels(num_panels(N), [&](int64_t p0, int64_t p1) {
+  parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
 #if !kWide
       if constexpr (W::kDecodes) {
@@ -813,10 +964,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
       panel_rows(w, xq, M, p, N, bp, yp);
     }
   });
-  if (passes == 1) return y;
-  auto pairs = y.view({x.size(0), 2, N});
-  auto out = pairs.select(1, 0) + pairs.select(1, 1);
-  return has_bias ? out.add_(*bias) : out;
+  return finish(y);
 }
 
 // x [M, K] against `rows` outputs held as q [ceil(rows / 16), G * group_bytes] (G = K / 32),
