@@ -383,6 +383,8 @@ struct Int8Weights {
   // 128 * sum(xq) it adds is taken off (kOffset).
   static constexpr int kOffset = 128;
   static constexpr bool kPairTiles = false;  // nothing to unpack: slower as pairs (see pair_tile)
+  static constexpr bool kSubSums = false;
+  static constexpr int kPairRows = 6;
   __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
     for (int k = 0; k < 8; ++k) v[k] = xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80)));
   }
@@ -424,6 +426,8 @@ struct Int4Weights {
 #if kWide
   static constexpr int kOffset = 0;  // its offset is the min, a float term
   static constexpr bool kPairTiles = true;
+  static constexpr bool kSubSums = false;
+  static constexpr int kPairRows = 6;  // 12 integer and 12 fp32 sums, 2 weight vectors, a broadcast: 27 registers
   __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const { nibbles(w, v); }
 #endif
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
@@ -490,6 +494,8 @@ struct Int5Weights {
 #if kWide
   static constexpr int kOffset = kMin ? 0 : 16;  // Q5_0: (q - 16) * xq
   static constexpr bool kPairTiles = true;
+  static constexpr bool kSubSums = false;
+  static constexpr int kPairRows = 6;
   __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
     const VI bit = bytes(0x10);
     const VI plane = loadi(w + 256);
@@ -560,9 +566,21 @@ struct Int6KWeights {
   // room for 6 rows: at 8 they spilled (1.6x slower); summing the halves one after the other
   // fit 8 rows but was no faster at 8 and 5-10% slower at 5 and 512.
   static constexpr int kRows = kWide ? 6 : kMaxRows;
-  static constexpr bool kPairTiles = false;  // its sub-scales need sums of their own
+#if kWide
+  static constexpr int kOffset = 0;  // its offsets are per sub-scale (kSubSums)
+  static constexpr bool kPairTiles = true;
+  static constexpr bool kSubSums = true;
+  static constexpr int kPairRows = 4;  // 16 integer and 8 fp32 sums (5 rows spilled: 0.42x)
+  __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
+    nibbles(w, v);
+    const VI top = bytes(0x30), t0 = loadi(w + 256), t1 = loadi(w + 320);
+    const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
+    for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
+  }
+#endif
   const uint8_t* q; const at::Half* d; int64_t G;
   const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
+  static const uint8_t* sub_scales(const uint8_t* group) { return group + 384; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(d + (p * (G / 8) + g / 8) * kPanel + h * kLanes); }
   template <int R, bool kDec = false>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
@@ -571,15 +589,12 @@ struct Int6KWeights {
     // 16-bit lanes 2n, 2n + 1: output n's two sub-scales (those of the group's first and last 16
     // elements); per half on AVX2.
     VI subs[kHalves];
-    for (int h = 0; h < kHalves; ++h) subs[h] = widen8(w + 384 + h * 16);
+    for (int h = 0; h < kHalves; ++h) subs[h] = widen8(sub_scales(w) + h * 16);
 #if kWide
     // vpdpbusd sums each half of 16 elements in 32 bits (at most 16 * 63 * 127), which vpmulld
     // multiplies by the half's sub-scale: 8 + 2 instructions a row where the 16-bit route took 16.
     VI v[8];
-    nibbles(w, v);
-    const VI top = bytes(0x30), t0 = loadi(w + 256), t1 = loadi(w + 320);
-    const VI tops[8] = {shl16<4>(t0), shl16<2>(t0), t0, shr16<2>(t0), shl16<4>(t1), shl16<2>(t1), t1, shr16<2>(t1)};
-    for (int k = 0; k < 8; ++k) v[k] = or_and(v[k], tops[k], top);
+    unsigned_quads(w, v);
     const VI sub0 = _mm512_srai_epi32(shl32<16>(subs[0]), 16), sub1 = _mm512_srai_epi32(subs[0], 16);
     VI chains[2][R];
     for (int r = 0; r < R; ++r) chains[0][r] = chains[1][r] = zero();
@@ -764,7 +779,7 @@ void decode_panel(const W& w, int64_t p, uint8_t* out) {
 #endif
 
 #if kWide
-// ---- Many rows (prefill) on AVX-512: panels unpacked once, tiles of 2 panels x 6 rows.
+// ---- Many rows (prefill) on AVX-512: panels unpacked once, tiles of 2 panels x W::kPairRows rows.
 // tile() unpacks a panel's groups again for each tile of rows and spends each broadcast
 // activation quad on one vpdpbusd; the unpacking and the broadcasts compete with vpdpbusd for
 // the vector pipes. Here a pair of panels is unpacked once into unsigned bytes (kDecoded a group,
@@ -773,18 +788,20 @@ void decode_panel(const W& w, int64_t p, uint8_t* out) {
 // offset (kOffset * sum(xq)) starts each sum instead of being taken off after. The integers, and
 // the order of the fp32 sums over groups, are tile()'s: the same bits at every row count, so a
 // row's result does not depend on which path its step took.
-// Formats with kPairTiles: q5_0/q5_1 (their unpacking is the most work) and int4/q4_k. On a Zen 5
-// EPYC, 512 rows, both builds in one process, alternated 4 times: the 0.5B's q5_0 linears 1.37
-// against 1.15 TOP/s (1.19x), the 1.5B's q4_k 1.28 against 1.22 (1.05x; tiles of 5 rows or of
-// one panel x 8 were slower). int8 (nothing to unpack) ran 0.7x as pairs, and at 32 rows q4_k
-// 0.8x (a panel pair unpacked for few tiles), hence kPairMinRows. Q6_K, with a sum per sub-scale,
-// keeps tile().
+// Every format but int8 takes it. On a Zen 5 EPYC, 512 rows, both builds in one process,
+// alternated 3-4 times: the 0.5B's q5_0 linears 1.37 against 1.15 TOP/s (1.19x), the 1.5B's q4_k
+// 1.28 against 1.22 (1.05x; tiles of 5 rows or of one panel x 8 were slower) and its q6_k 1.18
+// against 0.93 (1.27x, tiles of 4 rows; 3: 1.07x). int8 (nothing to unpack) ran 0.7x as pairs,
+// and at 32 rows q4_k 0.8x (a panel pair unpacked for few tiles), hence kPairMinRows.
 constexpr int kPairPanels = 2;
-constexpr int kPairRows = 6;  // 12 integer and 12 fp32 sums, 2 weight vectors, a broadcast: 27 registers
 constexpr int64_t kPairMinRows = 64;  // from here a call takes the pair path (formats with kPairTiles)
 
+// A format's decoded bytes a group and panel: its quads, and for Q6_K (kSubSums) its 32
+// sub-scale bytes after them (a 64-byte slot).
+template <class W>
+constexpr int64_t kPairBytes = kDecoded + (W::kSubSums ? 64 : 0);
 
-// P panels from p0 unpacked: group g's quads of panel p0 + j at dec + (g * P + j) * kDecoded.
+// P panels from p0 unpacked: group g's quads of panel p0 + j at dec + (g * P + j) * kPairBytes<W>.
 template <int P, class W>
 void decode_panels(const W& w, int64_t p0, uint8_t* dec) {
   const int64_t l1 = g_prefetch[1].l1, l2 = g_prefetch[1].l2;
@@ -794,37 +811,52 @@ void decode_panels(const W& w, int64_t p0, uint8_t* dec) {
       prefetch_group(src, W::kBytes, l1, l2);
       VI v[8];
       w.unsigned_quads(src, v);
-      uint8_t* out = dec + (g * P + j) * kDecoded;
+      uint8_t* out = dec + (g * P + j) * kPairBytes<W>;
       for (int k = 0; k < 8; ++k) _mm512_storeu_si512(out + 64 * k, v[k]);
+      if constexpr (W::kSubSums) std::memcpy(out + kDecoded, w.sub_scales(src), 32);
     }
 }
 
-// Panels p0 .. p0 + P - 1 against rows m0 .. m0 + R - 1, from their decoded quads.
+// Panels p0 .. p0 + P - 1 against rows m0 .. m0 + R - 1, from their decoded quads. Q6_K
+// (kSubSums) keeps a sum for each half of a group's quads (one per sub-scale), each started at
+// -32 * the row's half sum, and multiplies them by the sub-scales after: tile()'s integers.
 template <int P, int R, class W>
 void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int64_t p0, int64_t N,
                const float* bias, float* y) {
+  constexpr int S = W::kSubSums ? 2 : 1;  // sums a row and panel
+  constexpr int64_t kStride = kPairBytes<W>;
   const Rows<R> x(xq, m0);
   VF acc[P][R];
   for (int j = 0; j < P; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = zerof();
   for (int64_t g = 0; g < w.G; ++g) {
-    const uint8_t* v = dec + g * P * kDecoded;
-    VI sums[P][R];
-    for (int r = 0; r < R; ++r) {
-      const VI start = W::kOffset ? set32(-W::kOffset * x.sum[r][g]) : zero();
-      for (int j = 0; j < P; ++j) sums[j][r] = start;
-    }
+    const uint8_t* v = dec + g * P * kStride;
+    VI sums[S][P][R];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < S; ++h) {
+        int32_t offset = -W::kOffset * x.sum[r][g];
+        if constexpr (W::kSubSums)  // the half's sum: a signed 16-bit half of `halves`
+          offset = -32 * static_cast<int16_t>(static_cast<uint32_t>(x.halves[r][g]) >> (16 * h));
+        const VI start = offset ? set32(offset) : zero();
+        for (int j = 0; j < P; ++j) sums[h][j][r] = start;
+      }
     for (int k = 0; k < 8; ++k) {
       VI wv[P];
-      for (int j = 0; j < P; ++j) wv[j] = loadi(v + j * kDecoded + 64 * k);
+      for (int j = 0; j < P; ++j) wv[j] = loadi(v + j * kStride + 64 * k);
       for (int r = 0; r < R; ++r) {
         const VI b = quad(x.x[r] + g * kGroup + 4 * k);
-        for (int j = 0; j < P; ++j) sums[j][r] = _mm512_dpbusd_epi32(sums[j][r], wv[j], b);
+        for (int j = 0; j < P; ++j) sums[k * S / 8][j][r] = _mm512_dpbusd_epi32(sums[k * S / 8][j][r], wv[j], b);
       }
     }
     for (int j = 0; j < P; ++j) {
+      if constexpr (W::kSubSums) {
+        const VI subs = widen8(v + j * kStride + kDecoded);
+        const VI sub0 = _mm512_srai_epi32(shl32<16>(subs), 16), sub1 = _mm512_srai_epi32(subs, 16);
+        for (int r = 0; r < R; ++r)
+          sums[0][j][r] = add32(_mm512_mullo_epi32(sums[0][j][r], sub0), _mm512_mullo_epi32(sums[S - 1][j][r], sub1));
+      }
       const VF ws = w.scales(p0 + j, g, 0);
-      for (int r = 0; r < R; ++r) acc[j][r] = fmadd(cvt(sums[j][r]), mul(ws, setf(x.d[r][g])), acc[j][r]);
+      for (int r = 0; r < R; ++r) acc[j][r] = fmadd(cvt(sums[0][j][r]), mul(ws, setf(x.d[r][g])), acc[j][r]);
       if constexpr (W::kHasMin) {
         const VF wm = w.mins(p0 + j, g, 0);
         for (int r = 0; r < R; ++r) acc[j][r] = fmadd(wm, setf(x.s[r][g]), acc[j][r]);
@@ -834,7 +866,7 @@ void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int
   for (int j = 0; j < P; ++j) store_lanes<R>(acc[j], m0, (p0 + j) * kPanel, N, bias, y);
 }
 
-// The last rows (fewer than kPairRows) as one tile.
+// The last rows (fewer than W::kPairRows) as one tile.
 template <int P, int R, class W>
 void pair_rest(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m, int64_t left, int64_t p0, int64_t N,
                const float* bias, float* y) {
@@ -844,13 +876,13 @@ void pair_rest(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m, int6
   }
 }
 
-// Panels p0 .. p0 + P - 1 against all M rows: tiles of kPairRows, then the rest as one tile.
+// Panels p0 .. p0 + P - 1 against all M rows: tiles of W::kPairRows, then the rest as one tile.
 template <int P, class W>
 void pair_rows(const W& w, const uint8_t* dec, const QuantX& xq, int64_t M, int64_t p0, int64_t N,
                const float* bias, float* y) {
   int64_t m = 0;
-  for (; m + kPairRows <= M; m += kPairRows) pair_tile<P, kPairRows>(w, dec, xq, m, p0, N, bias, y);
-  pair_rest<P, kPairRows - 1>(w, dec, xq, m, M - m, p0, N, bias, y);
+  for (; m + W::kPairRows <= M; m += W::kPairRows) pair_tile<P, W::kPairRows>(w, dec, xq, m, p0, N, bias, y);
+  pair_rest<P, W::kPairRows - 1>(w, dec, xq, m, M - m, p0, N, bias, y);
 }
 
 // The panels from p0 (P of them, fewer at the end) decoded, then against all M rows.
@@ -938,7 +970,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
     if (M >= kPairMinRows) {
       parallel_panels((panels + kPairPanels - 1) / kPairPanels, [&](int64_t q0, int64_t q1) {
         static thread_local std::vector<uint8_t> dec;
-        dec.resize(kPairPanels * w.G * kDecoded);
+        dec.resize(kPairPanels * w.G * kPairBytes<W>);
         for (int64_t q = q0; q < q1; ++q)
           pair_panels<kPairPanels>(w, dec.data(), xq, M, q * kPairPanels, panels, N, bp, yp);
       });
