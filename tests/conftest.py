@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,15 @@ from tiny_model import write_tiny_gguf  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 REAL_05B = "qwen2.5-coder-0.5b-instruct"
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="session")

@@ -4,18 +4,16 @@ and its comparison of engines (hetserve variants on the tiny model, a stand-in l
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import sys
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-ROOT = Path(__file__).parent.parent
 PROBLEM = {"task_id": "T/0", "entry_point": "add",
            "prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n",
            "test": "def check(f):\n    assert f(2, 3) == 5\n    assert f(-1, 1) == 0\n"}
@@ -23,10 +21,7 @@ PROBLEM = {"task_id": "T/0", "entry_point": "add",
 
 @pytest.fixture(scope="module")
 def code_eval():
-    spec = importlib.util.spec_from_file_location("code_eval", ROOT / "scripts" / "code_eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("code_eval")
 
 
 def test_a_reply_passes_only_when_the_tests_do(code_eval):

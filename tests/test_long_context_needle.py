@@ -3,20 +3,13 @@ question under the chat template) and, on the real 0.5B, the fact found in a sho
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).parent.parent
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def needle():
-    spec = importlib.util.spec_from_file_location("long_context_needle", ROOT / "scripts" / "long_context_needle.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("long_context_needle")
 
 
 def _find(ids: list[int], part: list[int]) -> int:

@@ -415,7 +415,17 @@ struct Int8Weights {
   }
 };
 
-struct Int4Weights {
+// Weights with an fp16 scale and offset (min) per output and group, kGroupBytes a group (int4's
+// and the five-bit formats' layout): where group g of panel p and its scales are.
+template <int64_t kGroupBytes>
+struct ScaledGroups {
+  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
+  const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kGroupBytes; }
+  VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
+  VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
+};
+
+struct Int4Weights : ScaledGroups<4 * 64> {
   static constexpr bool kHasMin = true;
   // Its nibbles unpack in 3 instructions a vector, less than loading decoded bytes costs: on a
   // Zen 1, 8960 x 1536, decoded panels ran 1.005x at 512 rows and 0.89-0.94x at 6-16.
@@ -430,10 +440,6 @@ struct Int4Weights {
   static constexpr int kPairRows = 6;  // 12 integer and 12 fp32 sums, 2 weight vectors, a broadcast: 27 registers
   __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const { nibbles(w, v); }
 #endif
-  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
-  const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
-  VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
-  VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
   template <int R, bool kDec = false>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
                                                   const uint8_t* dec = nullptr) const {
@@ -472,7 +478,7 @@ struct Int4Weights {
 struct Int4KWeights : Int4Weights {
   const uint8_t* six; const at::Half* supers;
   Int4KWeights(const uint8_t* q, const uint8_t* six, const at::Half* supers, int64_t G)
-      : Int4Weights{q, nullptr, nullptr, G}, six(six), supers(supers) {}
+      : Int4Weights{{q, nullptr, nullptr, G}}, six(six), supers(supers) {}
   VF scales(int64_t p, int64_t g, int h) const { return product(p, g, 0, h); }
   VF mins(int64_t p, int64_t g, int h) const { return product(p, g, kPanel, h); }
   VF product(int64_t p, int64_t g, int64_t half, int h) const {
@@ -485,7 +491,7 @@ struct Int4KWeights : Int4Weights {
 // unsigned q's dot product less 16 * sum(xq), in the integers. Q5_1 / Q5_K (kMin true): w = q *
 // scale + min, the unsigned q's dot product and int4's min term.
 template <bool kMin>
-struct Int5Weights {
+struct Int5Weights : ScaledGroups<4 * 64 + 8 * 8> {
   static constexpr bool kHasMin = kMin;
   static constexpr bool kDecodes = true;
   static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
@@ -507,10 +513,6 @@ struct Int5Weights {
     });
   }
 #endif
-  const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
-  const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
-  VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
-  VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
   template <int R, bool kDec = false>
   __attribute__((always_inline)) inline void dots(int64_t p, int64_t g, const Rows<R>& x, VI (&out)[kHalves][R],
                                                   const uint8_t* dec = nullptr) const {
@@ -1099,7 +1101,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   check(x, q, rows, Int4Weights::kBytes, scale);
   check_min(min, scale);
   check_bias(bias, rows);
-  return run(Int4Weights{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), x.size(1) / kGroup},
+  return run(Int4Weights{{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(), x.size(1) / kGroup}},
              x, rows, bias, passes);
 }
 
@@ -1121,7 +1123,7 @@ torch::Tensor q5_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q must be uint8");
   check(x, q, rows, Int5Weights<false>::kBytes, scale);
   check_bias(bias, rows);
-  return run(Int5Weights<false>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), nullptr, x.size(1) / kGroup}, x,
+  return run(Int5Weights<false>{{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), nullptr, x.size(1) / kGroup}}, x,
              rows, bias, passes);
 }
 
@@ -1131,8 +1133,8 @@ torch::Tensor q5_1_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   check(x, q, rows, Int5Weights<true>::kBytes, scale);
   check_min(min, scale);
   check_bias(bias, rows);
-  return run(Int5Weights<true>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(),
-                               x.size(1) / kGroup},
+  return run(Int5Weights<true>{{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), min.data_ptr<at::Half>(),
+                                x.size(1) / kGroup}},
              x, rows, bias, passes);
 }
 
