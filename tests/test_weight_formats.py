@@ -265,13 +265,13 @@ def test_five_and_six_bit_sums_past_16_bits_are_exact(fmt, m):
 
 
 def _assert_rows_batch_invariant(qw, k):
-    """A row alone gives the bits it gets among 11 rows and among 77, the count at which the
-    AVX-512 kernels unpack panel pairs once for all tiles of rows (csrc/qlinear.cpp, pair_tile;
-    77 = 12 tiles of 6 and a tile of 5)."""
+    """Every row alone gives the bits it gets among 77 rows, the count at which the AVX-512
+    kernels unpack panel pairs once for all tiles of rows (csrc/qlinear.cpp, pair_tile; 77 = 12
+    tiles of 6 and one of 5, or 19 of 4 and one of 1), and among 6, 11 and 64 of them."""
     torch.manual_seed(1)
     x = torch.randn(77, k)
     full = qw.matmul(x, None)
-    for i in range(0, 77, 4):
+    for i in range(77):
         assert torch.equal(qw.matmul(x[i:i + 1], None)[0], full[i]), f"row {i}"
     assert torch.equal(qw.matmul(x[3:9], None), full[3:9])
     assert torch.equal(qw.matmul(x[:11], None), full[:11])

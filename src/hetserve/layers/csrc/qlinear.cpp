@@ -383,8 +383,6 @@ struct Int8Weights {
   // 128 * sum(xq) it adds is taken off (kOffset).
   static constexpr int kOffset = 128;
   static constexpr bool kPairTiles = false;  // nothing to unpack: slower as pairs (see pair_tile)
-  static constexpr bool kSubSums = false;
-  static constexpr int kPairRows = 6;
   __attribute__((always_inline)) inline void unsigned_quads(const uint8_t* w, VI (&v)[8]) const {
     for (int k = 0; k < 8; ++k) v[k] = xor_(loadi(w + 64 * k), bytes(static_cast<char>(0x80)));
   }
@@ -737,13 +735,13 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
   for (int h = 0; h < kHalves; ++h) store_lanes<R>(acc[h], m0, p * kPanel + h * kLanes, N, bias, y);
 }
 
-// The last rows (fewer than W::kRows) as one tile.
-template <int R, class W, bool kDec = false>
-void rest(const W& w, const QuantX& x, int64_t m, int64_t left, int64_t p, int64_t N, const float* bias, float* y,
-          const uint8_t* dec = nullptr) {
+// f(std::integral_constant<int, left>) for a run-time 0 <= left <= R (0: nothing): a call's last
+// rows (fewer than a tile's) as one tile of a compile-time row count.
+template <int R, class F>
+__attribute__((always_inline)) inline void last_rows(int64_t left, const F& f) {
   if constexpr (R > 0) {
-    if (left == R) tile<R, W, kDec>(w, x, m, p, N, bias, y, dec);
-    else rest<R - 1, W, kDec>(w, x, m, left, p, N, bias, y, dec);
+    if (left == R) f(std::integral_constant<int, R>{});
+    else last_rows<R - 1>(left, f);
   }
 }
 
@@ -753,7 +751,7 @@ void panel_rows(const W& w, const QuantX& xq, int64_t M, int64_t p, int64_t N, c
                 const uint8_t* dec = nullptr) {
   int64_t m = 0;
   for (; m + W::kRows <= M; m += W::kRows) tile<W::kRows, W, kDec>(w, xq, m, p, N, bias, y, dec);
-  rest<W::kRows - 1, W, kDec>(w, xq, m, M - m, p, N, bias, y, dec);
+  last_rows<W::kRows - 1>(M - m, [&](auto r) { tile<decltype(r)::value, W, kDec>(w, xq, m, p, N, bias, y, dec); });
 }
 
 // Rows from this many on (two tiles a panel or more) decode each panel once, on AVX2: see kDecoded.
@@ -836,9 +834,9 @@ void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int
     VI sums[S][P][R];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < S; ++h) {
-        int32_t offset = -W::kOffset * x.sum[r][g];
-        if constexpr (W::kSubSums)  // the half's sum: a signed 16-bit half of `halves`
-          offset = -32 * static_cast<int16_t>(static_cast<uint32_t>(x.halves[r][g]) >> (16 * h));
+        // Q6_K: the half's sum, a signed 16-bit half of `halves`.
+        const int32_t offset = W::kSubSums ? -32 * static_cast<int16_t>(static_cast<uint32_t>(x.halves[r][g]) >> (16 * h))
+                                           : -W::kOffset * x.sum[r][g];
         const VI start = offset ? set32(offset) : zero();
         for (int j = 0; j < P; ++j) sums[h][j][r] = start;
       }
@@ -868,23 +866,13 @@ void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int
   for (int j = 0; j < P; ++j) store_lanes<R>(acc[j], m0, (p0 + j) * kPanel, N, bias, y);
 }
 
-// The last rows (fewer than W::kPairRows) as one tile.
-template <int P, int R, class W>
-void pair_rest(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m, int64_t left, int64_t p0, int64_t N,
-               const float* bias, float* y) {
-  if constexpr (R > 0) {
-    if (left == R) pair_tile<P, R>(w, dec, xq, m, p0, N, bias, y);
-    else pair_rest<P, R - 1>(w, dec, xq, m, left, p0, N, bias, y);
-  }
-}
-
 // Panels p0 .. p0 + P - 1 against all M rows: tiles of W::kPairRows, then the rest as one tile.
 template <int P, class W>
 void pair_rows(const W& w, const uint8_t* dec, const QuantX& xq, int64_t M, int64_t p0, int64_t N,
                const float* bias, float* y) {
   int64_t m = 0;
   for (; m + W::kPairRows <= M; m += W::kPairRows) pair_tile<P, W::kPairRows>(w, dec, xq, m, p0, N, bias, y);
-  pair_rest<P, W::kPairRows - 1>(w, dec, xq, m, M - m, p0, N, bias, y);
+  last_rows<W::kPairRows - 1>(M - m, [&](auto r) { pair_tile<P, decltype(r)::value>(w, dec, xq, m, p0, N, bias, y); });
 }
 
 // The panels from p0 (P of them, fewer at the end) decoded, then against all M rows.
@@ -960,7 +948,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
   const bool has_bias = bias && bias->defined();
   const float* bp = has_bias && passes == 1 ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const auto finish = [&](torch::Tensor& y) -> torch::Tensor {
+  const auto finish = [&]() -> torch::Tensor {  // two passes: each row's pair added, then the bias
     if (passes == 1) return y;
     auto pairs = y.view({x.size(0), 2, N});
     auto out = pairs.select(1, 0) + pairs.select(1, 1);
@@ -976,7 +964,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
         for (int64_t q = q0; q < q1; ++q)
           pair_panels<kPairPanels>(w, dec.data(), xq, M, q * kPairPanels, panels, N, bp, yp);
       });
-      return finish(y);
+      return finish();
     }
   }
 #endif
@@ -998,7 +986,7 @@ torch::Tensor run(const W& w, const torch::Tensor& x, int64_t N, const c10::opti
       panel_rows(w, xq, M, p, N, bp, yp);
     }
   });
-  return finish(y);
+  return finish();
 }
 
 // x [M, K] against `rows` outputs held as q [ceil(rows / 16), G * group_bytes] (G = K / 32),
