@@ -31,10 +31,6 @@ constexpr int64_t kRowsAhead = 8;    // tokens ahead in the scores' pass over K,
 constexpr int64_t kBlock = 256;      // keys a block (fp16 K and V of a 1.5B head: 128 KiB, in L2)
 constexpr int64_t kValueChunk = 32;  // tokens per chunk of the values' pass over V
 
-// Always inlined: GCC's IPA takes a function that only prefetches for one without side effects
-// and deletes its calls (a separate prefetch function lost every prefetch of the scores' pass).
-#define HS_PREFETCH __attribute__((always_inline)) inline
-
 // A row of D values asked for into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
 template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T0, class T>
 HS_PREFETCH void prefetch_row(const T* row, int64_t D) {

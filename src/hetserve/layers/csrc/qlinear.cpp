@@ -687,7 +687,7 @@ struct PrefetchDistances {
 PrefetchDistances g_prefetch[2];  // [0]: tiles of 1 row, [1]: of more (native.py sets [0] at load)
 
 // The `bytes` of a group, asked for l2 bytes ahead into L2 and l1 ahead into L1 (0: none).
-inline void prefetch_group(const uint8_t* group, int64_t bytes, int64_t l1, int64_t l2) {
+HS_PREFETCH void prefetch_group(const uint8_t* group, int64_t bytes, int64_t l1, int64_t l2) {
   const char* here = reinterpret_cast<const char*>(group);
   if (l2)
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(here + l2 + l, _MM_HINT_T1);

@@ -1,0 +1,68 @@
+"""The compiled kernels keep their software prefetches. GCC deletes calls of a function that only
+prefetches unless it is inlined by force (csrc/vec.h, HS_PREFETCH): for two days a plain `inline`
+prefetch_group left every quantized kernel without its weight prefetches, and tiles of 8 rows
+(a batch of 8 decodes) streamed their weights at a third of the rate. Timing cannot catch that
+in a test; the object code can: each variant's tiles must hold the prefetch instructions."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hetserve.layers import native
+
+if shutil.which("objdump") is None:  # pragma: no cover - binutils comes with the compiler
+    pytest.skip("objdump (binutils) is not installed", allow_module_level=True)
+
+FORMATS = ("Int8Weights", "Int4Weights", "Int4KWeights", "Int5Weights<false>", "Int5Weights<true>", "Int6KWeights")
+# Tiles of fewer rows than this skip their prefetches by design (csrc/qlinear.cpp, kPrefetchRows):
+# the AVX-512 int8 tile of 1 or 2 rows.
+NO_PREFETCH_BELOW = {("avx512", "Int8Weights"): 3}
+
+
+def _prefetches_by_function(obj: Path) -> dict[str, int]:
+    """Prefetch instructions in each function of an object file, by demangled name."""
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
+                         check=True).stdout
+    counts: dict[str, int] = {}
+    name = None
+    for line in asm.splitlines():
+        if m := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
+            name = m.group(1).replace("(anonymous namespace)::", "")
+            counts[name] = 0
+        elif name and "prefetcht" in line:
+            counts[name] += 1
+    return counts
+
+
+def _object(variant: str, source: str) -> Path:
+    if variant in native.supported_variants():
+        native.build(variant)
+    else:
+        native.compile_only(variant)
+    return Path(native._build_args(variant)["build_directory"]) / f"{source}.o"
+
+
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_every_quantized_tile_prefetches_its_weights(variant):
+    counts = _prefetches_by_function(_object(variant, "qlinear"))
+    tiles = {}
+    for name, n in counts.items():  # tile<R, W, false>: the plain tiles (true: decoded panels, in cache)
+        if m := re.match(r"void tile<(\d+), (.+), false>\(", name):
+            tiles[(int(m.group(1)), m.group(2))] = n
+    for fmt in FORMATS:
+        rows = sorted(r for r, w in tiles if w == fmt)
+        assert rows, f"no {fmt} tiles in the {variant} object"
+        for r in rows:
+            expected = r >= NO_PREFETCH_BELOW.get((variant, fmt), 1)
+            assert (tiles[(r, fmt)] > 0) == expected, (variant, fmt, r, tiles[(r, fmt)])
+
+
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_decode_attention_prefetches_its_rows(variant):
+    counts = _prefetches_by_function(_object(variant, "attention"))
+    scores = [n for name, n in counts.items() if "head_scores" in name]
+    values = [n for name, n in counts.items() if "head_values" in name]
+    assert scores and all(scores) and values and all(values)
