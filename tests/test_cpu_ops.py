@@ -141,13 +141,24 @@ def test_native_attention_matches_sdpa_over_scattered_pages(per_query):
                         torch.tensor([[0, 16]]), ps, 0.3)
 
 
+@pytest.fixture
+def attention_split():
+    """Sets the context length past which decode rows split into segments; restored after."""
+    before = ops.attention_split()
+    yield ops.set_attention_split
+    ops.set_attention_split(before)
+
+
+@pytest.mark.parametrize("split", [None, 48])  # 48: the rows of 100 and 257 tokens in 4 and 6 segments
 @pytest.mark.parametrize("heads,kvh,d", [(12, 2, 128), (16, 2, 24), (14, 2, 64), (9, 1, 16)])
-def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d):
+def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d, split, attention_split):
     """Contexts past the values' 32-token chunks (and their prefetches), for the query-head
     counts and head sizes that take each of the values kernels (2 vectors of D at a time where
-    J <= 6 and D is a multiple of 16, else 1)."""
+    J <= 6 and D is a multiple of 16, else 1); and long rows in segments, merged."""
     from hetserve.layers.attention import AttentionMetadata, attend_cached
 
+    if split is not None:
+        attention_split(split)
     torch.manual_seed(5)
     ps, lens = 16, [1, 31, 32, 33, 100, 257]
     tables = [list(range(40 * i, 40 * i + 17)) for i in range(len(lens))]
@@ -162,11 +173,14 @@ def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row():
+@pytest.mark.parametrize("split", [None, 4])  # 4: each row of 10-14 tokens in 4 segments
+def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row(split, attention_split):
     """Speculative verification scores K + 1 rows of one sequence in a step; each must equal what a
     plain decode of that row computes, or greedy speculation could drift from the target's tokens."""
     from hetserve.layers.attention import AttentionMetadata, attend_cached
 
+    if split is not None:
+        attention_split(split)
     torch.manual_seed(4)
     heads, kvh, d, ps = 6, 2, 32, 4
     k_cache, v_cache = torch.randn(64, kvh, d), torch.randn(64, kvh, d)

@@ -119,10 +119,16 @@ def test_kernel_variants_give_the_same_bits(variant):
             if dtype == torch.int8 and d % 32:
                 continue
             kc, vc = ((kv_quant.quantize(c) if dtype == torch.int8 else c.to(dtype)) for c in (k_cache, v_cache))
-            outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
-            for mod, out in zip((ours, portable), outs):
-                mod.attend_rows(q, kc, vc, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
-            assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d, dtype)
+            for split in (ours.attention_split(), 256):  # 256: 600 and 1001 in segments, merged
+                outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
+                for mod, out in zip((ours, portable), outs):
+                    before = mod.attention_split()
+                    mod.set_attention_split(split)
+                    try:
+                        mod.attend_rows(q, kc, vc, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
+                    finally:
+                        mod.set_attention_split(before)
+                assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d, dtype, split)
     from test_weight_formats import file_format
 
     for fmt, k in [("q5_0", 896), ("q5_0", 224), ("q5_1", 768), ("q5_1", 256), ("q6_k", 4864), ("q6_k", 512), ("q4_k", 4864),
