@@ -291,9 +291,10 @@ namespace hetserve {
 // side), so a thread walks one contiguous run of memory, where split by head (as short rows are)
 // each thread read every other pair of cache lines of the same pages. A row of n > g_split_tokens
 // tokens takes an even count of segments of equal length, 2 * ceil(n / (2 * g_split_tokens)) (two
-// threads share them evenly), each with its own online softmax, merged after in segment order. The split depends on n alone, never on the threads, so a row's bits do too (a
-// verification row is the same decode row). 0.5B decode on a Zen 5 EPYC, the two alternated in
-// one process: 36.8 against 39.3 tok/s at 32000 tokens of context, 69.6 against 70.6 at 8192.
+// threads share them evenly), each with its own online softmax, merged after in segment order.
+// The split depends on n alone, never on the threads, so a row's bits do too (a verification row
+// is the same decode row). 0.5B decode on a Zen 5 EPYC, the two alternated in one process: 36.8
+// against 39.3 tok/s at 32000 tokens of context, 69.6 against 70.6 at 8192.
 int64_t g_split_tokens = 2048;  // set_attention_split moves it (0: never), for tests
 
 inline int64_t segments(int64_t n) {
@@ -376,11 +377,11 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
           krow.resize(e - t0);
           vrow.resize(e - t0);
           for (int64_t t = t0; t < e;) {  // a page at a time: no division a token
-            const int64_t page_end = std::min(e, (t / page_size + 1) * page_size);
-            const int64_t base = (table[t / page_size] * page_size * KVH + h) * RE;
-            for (; t < page_end; ++t) {
-              krow[t - t0] = kc + base + (t % page_size) * KVH * RE;
-              vrow[t - t0] = vc + base + (t % page_size) * KVH * RE;
+            const int64_t page = t / page_size, first = page * page_size, end = std::min(e, first + page_size);
+            const int64_t base = (table[page] * page_size * KVH + h) * RE;
+            for (; t < end; ++t) {
+              krow[t - t0] = kc + base + (t - first) * KVH * RE;
+              vrow[t - t0] = vc + base + (t - first) * KVH * RE;
             }
           }
           prefetch_first_block(krow.data(), vrow.data(), t1 - t0, D);
@@ -396,7 +397,8 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
             const C* const* vr = vrows[h].data() - t0;
             float *mh = m.data() + h * g, *lh = l.data() + h * g, *ah = acc.data() + h * g * D;
             for (int64_t j0 = 0; j0 < g; j0 += 8)
-              kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, kr, b0, b1, e, D, sc, p.data() + j0 * kBlock);
+              kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, kr, b0, b1, e, D, sc,
+                                                               p.data() + j0 * kBlock);
             for (int64_t j = 0; j < g; ++j) {
               const float alpha = online_block(p.data() + j * kBlock, b1 - b0, mh[j], lh[j]);
               if (b0 > t0 && alpha != 1.f) {
@@ -616,7 +618,7 @@ void register_attention(pybind11::module& m) {
   using namespace hetserve;
   m.def("attend_rows", &attend_rows, "attention of single query rows over paged KV, in place");
   m.def("attend_chunk", &attend_chunk, "causal attention of a prefill chunk over its context");
-  m.def("set_attention_split", &set_attention_split, "context length past which a decode row splits into segments (0: never)",
-        pybind11::arg("tokens"));
+  m.def("set_attention_split", &set_attention_split,
+        "context length past which a decode row splits into segments (0: never)", pybind11::arg("tokens"));
   m.def("attention_split", &attention_split, "the context length past which a decode row splits into segments");
 }
