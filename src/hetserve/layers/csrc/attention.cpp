@@ -81,6 +81,12 @@ inline float online_block(float* s, int64_t nb, float& m, float& l) {
   return alpha;
 }
 
+// dst[0 .. D) = src[0 .. D) * f, D a multiple of 8 (dst may be src): a row rescaled or normalized.
+inline void scale_row(const float* src, float f, float* dst, int64_t D) {
+  const __m256 fv = _mm256_set1_ps(f);
+  for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_loadu_ps(src + e), fv));
+}
+
 // Row s[0 .. n) -> exp(s - max) in place (n > 0); returns 1 / their sum (the chunks' softmax).
 inline float softmax_row(float* s, int64_t n) {
   float m = -INFINITY, l = 0.f;
@@ -401,11 +407,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
                                                                p.data() + j0 * kBlock);
             for (int64_t j = 0; j < g; ++j) {
               const float alpha = online_block(p.data() + j * kBlock, b1 - b0, mh[j], lh[j]);
-              if (b0 > t0 && alpha != 1.f) {
-                const __m256 av = _mm256_set1_ps(alpha);
-                for (float* a = ah + j * D; a < ah + (j + 1) * D; a += 8)
-                  _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_loadu_ps(a), av));
-              }
+              if (b0 > t0 && alpha != 1.f) scale_row(ah + j * D, alpha, ah + j * D, D);
             }
             for (int64_t j0 = 0; j0 < g; j0 += 8)
               kHeadValues<C>[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](
@@ -421,10 +423,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
               std::copy(acc.data() + j * D, acc.data() + (j + 1) * D, part + 2 * H + j * D);
               continue;
             }
-            float* o = op + rp[it.r] * H * D + j * D;
-            const __m256 iv = _mm256_set1_ps(1.f / l[j]);
-            for (int64_t d = 0; d < D; d += 8)
-              _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + j * D + d), iv));
+            scale_row(acc.data() + j * D, 1.f / l[j], op + rp[it.r] * H * D + j * D, D);
           }
       }
     });
@@ -448,8 +447,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         for (int64_t d = 0; d < D; d += 8)
           _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_loadu_ps(pt + 2 * H + j * D + d), fv, _mm256_loadu_ps(o + d)));
       }
-      const __m256 iv = _mm256_set1_ps(1.f / sum);
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), iv));
+      scale_row(o, 1.f / sum, o, D);
     }
     part += ns;
   }
@@ -603,11 +601,7 @@ void attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
           else
             for (int64_t r = 0; r < R; ++r) weigh_tile<1>(pj + r * ld, ld, k0, k1, vh, D, oj + r * H * D, H * D);
         }
-      for (int64_t r = 0; r < B; ++r) {
-        float* o = ob + r * H * D;
-        const __m256 iv = _mm256_set1_ps(inv[r]);
-        for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(o + e), iv));
-      }
+      for (int64_t r = 0; r < B; ++r) scale_row(ob + r * H * D, inv[r], ob + r * H * D, D);
     }
   });
 }

@@ -417,8 +417,9 @@ struct Int8Weights {
 // and the five-bit formats' layout): where group g of panel p and its scales are.
 template <int64_t kGroupBytes>
 struct ScaledGroups {
+  static constexpr int64_t kBytes = kGroupBytes;
   const uint8_t* q; const at::Half* scale; const at::Half* min; int64_t G;
-  const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kGroupBytes; }
+  const uint8_t* group(int64_t p, int64_t g) const { return q + (p * G + g) * kBytes; }
   VF scales(int64_t p, int64_t g, int h) const { return load_h(scale + (p * G + g) * kPanel + h * kLanes); }
   VF mins(int64_t p, int64_t g, int h) const { return load_h(min + (p * G + g) * kPanel + h * kLanes); }
 };
@@ -428,7 +429,6 @@ struct Int4Weights : ScaledGroups<4 * 64> {
   // Its nibbles unpack in 3 instructions a vector, less than loading decoded bytes costs: on a
   // Zen 1, 8960 x 1536, decoded panels ran 1.005x at 512 rows and 0.89-0.94x at 6-16.
   static constexpr bool kDecodes = false;
-  static constexpr int64_t kBytes = 4 * 64;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
 #if kWide
@@ -492,7 +492,6 @@ template <bool kMin>
 struct Int5Weights : ScaledGroups<4 * 64 + 8 * 8> {
   static constexpr bool kHasMin = kMin;
   static constexpr bool kDecodes = true;
-  static constexpr int64_t kBytes = 4 * 64 + 8 * 8;
   static constexpr int kPrefetchRows = 1;
   static constexpr int kRows = kMaxRows;
 #if kWide

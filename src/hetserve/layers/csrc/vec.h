@@ -14,7 +14,7 @@
 // For every function that only prefetches: always inlined. GCC's IPA takes such a function for
 // one without side effects and deletes its calls: a separate prefetch function lost every
 // prefetch of attention's scores' pass, and qlinear.cpp's prefetch_group, plain `inline` from
-// 2026-12-05 on, every weight prefetch (tests/test_native_build.py now looks for them).
+// 2026-12-05 on, every weight prefetch (tests/test_native_prefetch.py now looks for them).
 #define HS_PREFETCH __attribute__((always_inline)) inline
 
 namespace {
