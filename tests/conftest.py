@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -23,6 +24,19 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def attention_split(mod, tokens: int | None):
+    """A native module's decode attention splitting rows past `tokens` into segments (None: as it
+    is), restored after."""
+    before = mod.attention_split()
+    if tokens is not None:
+        mod.set_attention_split(tokens)
+    try:
+        yield
+    finally:
+        mod.set_attention_split(before)
 
 
 @pytest.fixture(scope="session")

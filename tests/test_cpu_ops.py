@@ -3,6 +3,7 @@ what the torch ops they replace compute, and the model gives the same tokens wit
 
 import pytest
 import torch
+from conftest import attention_split
 
 from hetserve.layers import native
 from hetserve.layers.norm import rms_norm
@@ -141,24 +142,14 @@ def test_native_attention_matches_sdpa_over_scattered_pages(per_query):
                         torch.tensor([[0, 16]]), ps, 0.3)
 
 
-@pytest.fixture
-def attention_split():
-    """Sets the context length past which decode rows split into segments; restored after."""
-    before = ops.attention_split()
-    yield ops.set_attention_split
-    ops.set_attention_split(before)
-
-
 @pytest.mark.parametrize("split", [None, 48])  # 48: the rows of 100 and 257 tokens in 4 and 6 segments
 @pytest.mark.parametrize("heads,kvh,d", [(12, 2, 128), (16, 2, 24), (14, 2, 64), (9, 1, 16)])
-def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d, split, attention_split):
+def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d, split):
     """Contexts past the values' 32-token chunks (and their prefetches), for the query-head
     counts and head sizes that take each of the values kernels (2 vectors of D at a time where
     J <= 6 and D is a multiple of 16, else 1); and long rows in segments, merged."""
     from hetserve.layers.attention import AttentionMetadata, attend_cached
 
-    if split is not None:
-        attention_split(split)
     torch.manual_seed(5)
     ps, lens = 16, [1, 31, 32, 33, 100, 257]
     tables = [list(range(40 * i, 40 * i + 17)) for i in range(len(lens))]
@@ -169,28 +160,29 @@ def test_native_attention_over_long_contexts_matches_sdpa(heads, kvh, d, split, 
         return AttentionMetadata.build([1] * len(lens), lens, tables, ps, torch.device("cpu"))
 
     ref = attend_cached(q, k_cache, v_cache, meta(), d ** -0.5)
-    torch.testing.assert_close(attend_cached(q, k_cache, v_cache, meta(), d ** -0.5, native=ops), ref,
-                               rtol=1e-5, atol=1e-5)
+    with attention_split(ops, split):
+        ours = attend_cached(q, k_cache, v_cache, meta(), d ** -0.5, native=ops)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("split", [None, 4])  # 4: each row of 10-14 tokens in 4 segments
-def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row(split, attention_split):
+def test_a_verification_row_attends_bit_for_bit_as_the_same_decode_row(split):
     """Speculative verification scores K + 1 rows of one sequence in a step; each must equal what a
     plain decode of that row computes, or greedy speculation could drift from the target's tokens."""
     from hetserve.layers.attention import AttentionMetadata, attend_cached
 
-    if split is not None:
-        attention_split(split)
     torch.manual_seed(4)
     heads, kvh, d, ps = 6, 2, 32, 4
     k_cache, v_cache = torch.randn(64, kvh, d), torch.randn(64, kvh, d)
     table, cpu = [9, 3, 12, 5], torch.device("cpu")
     q = torch.randn(5, heads, d)
-    together = attend_cached(q, k_cache, v_cache, AttentionMetadata.build([5], [14], [table], ps, cpu), 0.3, native=ops)
-    for j in range(5):
-        alone = attend_cached(q[j:j + 1], k_cache, v_cache, AttentionMetadata.build([1], [10 + j], [table], ps, cpu),
-                              0.3, native=ops)
-        assert torch.equal(alone[0], together[j])
+    with attention_split(ops, split):
+        together = attend_cached(q, k_cache, v_cache, AttentionMetadata.build([5], [14], [table], ps, cpu), 0.3,
+                                 native=ops)
+        for j in range(5):
+            alone = attend_cached(q[j:j + 1], k_cache, v_cache,
+                                  AttentionMetadata.build([1], [10 + j], [table], ps, cpu), 0.3, native=ops)
+            assert torch.equal(alone[0], together[j])
 
 
 def _chunk_reference(q, k, v, scale):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import attention_split
 
 from hetserve import SamplingParams
 from hetserve.layers import native
@@ -122,12 +123,8 @@ def test_kernel_variants_give_the_same_bits(variant):
             for split in (ours.attention_split(), 256):  # 256: 600 and 1001 in segments, merged
                 outs = [torch.empty(len(lens), heads * d) for _ in range(2)]
                 for mod, out in zip((ours, portable), outs):
-                    before = mod.attention_split()
-                    mod.set_attention_split(split)
-                    try:
+                    with attention_split(mod, split):
                         mod.attend_rows(q, kc, vc, out, torch.arange(len(lens)), lens, tables, 16, d ** -0.5)
-                    finally:
-                        mod.set_attention_split(before)
                 assert torch.equal(outs[0], outs[1]), (heads, kv_heads, d, dtype, split)
     from test_weight_formats import file_format
 
