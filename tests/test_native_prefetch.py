@@ -38,10 +38,7 @@ def _prefetches_by_function(obj: Path) -> dict[str, int]:
 
 
 def _object(variant: str, source: str) -> Path:
-    if variant in native.supported_variants():
-        native.build(variant)
-    else:
-        native.compile_only(variant)
+    native.compile_variant(variant)
     return Path(native._build_args(variant)["build_directory"]) / f"{source}.o"
 
 

@@ -177,7 +177,8 @@ def compile_only(name: str) -> None:
     """Compile the `name` variant into the cache without loading it, for a CPU that runs it later
     (`build` there finds it up to date: the same build file, so ninja has nothing to do). This is
     torch.utils.cpp_extension.load's own build step, which it does not offer apart from the
-    import; torch is pinned, and a test runs this call."""
+    import; torch is pinned, and tests/test_native_prefetch.py runs this call
+    on a CPU without the variant."""
     from torch.utils import cpp_extension
 
     args = _build_args(name)
@@ -281,16 +282,23 @@ def describe() -> str:
     return f"{cpu_name()} [{' '.join(shown) or 'no AVX2'}]; native kernels: {v or 'none (torch fallback)'}"
 
 
+def compile_variant(name: str) -> bool:
+    """The `name` variant compiled into the cache, and loaded where this CPU runs it (`build`),
+    else compiled only (`compile_only`); returns whether it was loaded."""
+    if name in supported_variants():
+        build(name)
+        return True
+    compile_only(name)
+    return False
+
+
 def install() -> None:
     """`make install`: every variant compiled once; those this CPU runs are also loaded."""
-    usable = supported_variants()
     for name in VARIANTS:
         try:
-            if name in usable:
-                build(name)
+            if compile_variant(name):
                 print(f"native CPU kernels ({name}): ready")
             else:
-                compile_only(name)
                 print(f"native CPU kernels ({name}): compiled, not loaded (this CPU lacks {missing_flags(name)})")
         except NativeUnavailable as e:
             print(f"native CPU kernels ({name}) unavailable ({e})")
