@@ -164,19 +164,20 @@ inline int32_t hsum8_epi32(__m256i v) {
 // sum(xq) itself, the integer sums of each group's two halves of 16 as one word (low 16
 // bits: the first half; each at most 2032 in magnitude), and per half a word of the sums of its
 // elements 4k, 4k + 1 (low) and 4k + 2, 4k + 3 (high): the AVX2 kernels' 16-bit offsets (the
-// AVX-512 build leaves `pairs` empty).
+// AVX-512 build leaves `pairs` empty); on AVX-512, -16 * sum(xq), the sum Q5_0's pair tiles
+// start from (`start16`, see pair_tile).
 struct QuantX {
   int64_t G;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum, halves, pairs;
+  std::vector<int32_t> sum, halves, pairs, start16;
   const int8_t* row(int64_t m) const { return q.data() + m * G * kGroup; }
 };
 
 // Quantizes one group (32 floats at x) to q (32 bytes); where `residual` is given, writes
 // x - d * xq there (what the rounding left, for a second pass).
 inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_t* sum, int32_t* halves,
-                           int32_t* pairs, float* residual = nullptr) {
+                           int32_t* pairs, int32_t* start16, float* residual = nullptr) {
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
                v3 = _mm256_loadu_ps(x + 24);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -200,7 +201,9 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
   *sum = first + second;
   *s = dd * static_cast<float>(first + second);  // exact: at most 32 * 127
   *halves = static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFFu) | (static_cast<uint32_t>(second) << 16));
-#if !kWide
+#if kWide
+  *start16 = -16 * (first + second);
+#else
   // Per half of 16: the sums of elements 4k, 4k + 1 (low word) and 4k + 2, 4k + 3 (high word),
   // what one 16-bit lane of a quad's products covers (see Int5Weights); each at most 1016.
   const __m256i pairs8 = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
@@ -222,7 +225,8 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s, int32_
 QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
   const int64_t G = K / kGroup, Mq = M * passes;
   QuantX out{G, std::vector<int8_t>(Mq * K), std::vector<float>(Mq * G), std::vector<float>(Mq * G),
-             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G), std::vector<int32_t>(kWide ? 0 : 2 * Mq * G)};
+             std::vector<int32_t>(Mq * G), std::vector<int32_t>(Mq * G), std::vector<int32_t>(kWide ? 0 : 2 * Mq * G),
+             std::vector<int32_t>(kWide ? Mq * G : 0)};
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     alignas(32) float left[kGroup];
     for (int64_t i = i0; i < i1; ++i) {
@@ -230,7 +234,8 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K, int64_t passes) {
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t j = (m * passes + p) * G + g;
         quantize_group(p ? left : x + i * kGroup, out.q.data() + j * kGroup, &out.d[j], &out.s[j], &out.sum[j],
-                       &out.halves[j], kWide ? nullptr : &out.pairs[2 * j], p + 1 < passes ? left : nullptr);
+                       &out.halves[j], kWide ? nullptr : &out.pairs[2 * j], kWide ? &out.start16[j] : nullptr,
+                       p + 1 < passes ? left : nullptr);
       }
     }
   });
@@ -246,6 +251,7 @@ struct Rows {
   const int32_t* sum[R];
   const int32_t* halves[R];
   const int32_t* pairs[R];
+  const int32_t* start16[R];
   Rows(const QuantX& q, int64_t m0) {
     for (int r = 0; r < R; ++r) {
       const int64_t j = (m0 + r) * q.G;
@@ -255,6 +261,7 @@ struct Rows {
       sum[r] = q.sum.data() + j;
       halves[r] = q.halves.data() + j;
       pairs[r] = kWide ? nullptr : q.pairs.data() + 2 * j;
+      start16[r] = kWide ? q.start16.data() + j : nullptr;
     }
   }
 };
@@ -855,12 +862,19 @@ void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int
   for (int64_t g = 0; g < w.G; ++g) {
     const uint8_t* v = dec + g * P * kStride;
     VI sums[S][P][R];
+    // Q5_0's start is a broadcast from the row's `start16` (a load, where computing it took a
+    // scalar multiply and a move to the vector unit: q5_0 1.03x at 512 rows); Q6_K's two halves
+    // stay computed (as loads too they ran 0.92x: its tiles load more a group).
+    static_assert(W::kSubSums || W::kOffset == 0 || W::kOffset == 16, "pair tiles' offsets: Q5_0's or Q6_K's");
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < S; ++h) {
-        // Q6_K: the half's sum, a signed 16-bit half of `halves`.
-        const int32_t offset = W::kSubSums ? -32 * static_cast<int16_t>(static_cast<uint32_t>(x.halves[r][g]) >> (16 * h))
-                                           : -W::kOffset * x.sum[r][g];
-        const VI start = offset ? set32(offset) : zero();
+        VI start = zero();
+        if constexpr (W::kSubSums) {  // the half's sum, a signed 16-bit half of `halves`
+          const int32_t offset = -32 * static_cast<int16_t>(static_cast<uint32_t>(x.halves[r][g]) >> (16 * h));
+          start = offset ? set32(offset) : zero();
+        } else if constexpr (W::kOffset != 0) {
+          start = _mm512_set1_epi32(x.start16[r][g]);
+        }
         for (int j = 0; j < P; ++j) sums[h][j][r] = start;
       }
     for (int k = 0; k < 8; ++k) {
