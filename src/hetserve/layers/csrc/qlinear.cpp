@@ -306,7 +306,9 @@ __attribute__((always_inline)) inline void wide_dots(const W& w, const uint8_t* 
   zero_chains<R>(chains);
   for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
   unsigned_sums<R>(chains, out);
-  if constexpr (W::kOffset != 0)
+  if constexpr (W::kOffset == 16)  // Q5_0: -16 * sum(xq) as the activations hold it (see pair_tile)
+    for (int r = 0; r < R; ++r) out[r] = add32(out[r], _mm512_set1_epi32(x.start16[r][g]));
+  else if constexpr (W::kOffset != 0)
     for (int r = 0; r < R; ++r) out[r] = sub32(out[r], set32(W::kOffset * x.sum[r][g]));
 }
 
