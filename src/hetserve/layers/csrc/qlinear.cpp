@@ -306,10 +306,12 @@ __attribute__((always_inline)) inline void wide_dots(const W& w, const uint8_t* 
   zero_chains<R>(chains);
   for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
   unsigned_sums<R>(chains, out);
-  if constexpr (W::kOffset == 16)  // Q5_0: -16 * sum(xq) as the activations hold it (see pair_tile)
+  // The offset from the activations' -16 * sum(xq) (see pair_tile): int8's 128 = 16 * 8.
+  static_assert(W::kOffset == 0 || W::kOffset == 16 || W::kOffset == 128, "offsets are 16 * a power of 2");
+  if constexpr (W::kOffset == 16)
     for (int r = 0; r < R; ++r) out[r] = add32(out[r], _mm512_set1_epi32(x.start16[r][g]));
-  else if constexpr (W::kOffset != 0)
-    for (int r = 0; r < R; ++r) out[r] = sub32(out[r], set32(W::kOffset * x.sum[r][g]));
+  else if constexpr (W::kOffset == 128)
+    for (int r = 0; r < R; ++r) out[r] = add32(out[r], shl32<3>(_mm512_set1_epi32(x.start16[r][g])));
 }
 
 // A group's 4 nibble vectors at w (int4, q5_0, q6_k) unpacked: quads 2c (low nibbles) and
