@@ -164,8 +164,8 @@ inline int32_t hsum8_epi32(__m256i v) {
 // sum(xq) itself, the integer sums of each group's two halves of 16 as one word (low 16
 // bits: the first half; each at most 2032 in magnitude), and per half a word of the sums of its
 // elements 4k, 4k + 1 (low) and 4k + 2, 4k + 3 (high): the AVX2 kernels' 16-bit offsets (the
-// AVX-512 build leaves `pairs` empty); on AVX-512, -16 * sum(xq), the sum Q5_0's pair tiles
-// start from (`start16`, see pair_tile).
+// AVX-512 build leaves `pairs` empty); on AVX-512, -16 * sum(xq) (`start16`): Q5_0's integer
+// offset (the pair tiles start their sums from it, the other tiles add it) and, times 8, int8's.
 struct QuantX {
   int64_t G;
   std::vector<int8_t> q;
