@@ -307,7 +307,7 @@ __attribute__((always_inline)) inline void wide_dots(const W& w, const uint8_t* 
   for (int k = 0; k < 8; ++k) add_quad<R>(v[k], k, x, g, chains);
   unsigned_sums<R>(chains, out);
   // The offset from the activations' -16 * sum(xq) (see pair_tile): int8's 128 = 16 * 8.
-  static_assert(W::kOffset == 0 || W::kOffset == 16 || W::kOffset == 128, "offsets are 16 * a power of 2");
+  static_assert(W::kOffset == 0 || W::kOffset == 16 || W::kOffset == 128, "offsets: none, Q5_0's 16 or int8's 128");
   if constexpr (W::kOffset == 16)
     for (int r = 0; r < R; ++r) out[r] = add32(out[r], _mm512_set1_epi32(x.start16[r][g]));
   else if constexpr (W::kOffset == 128)
