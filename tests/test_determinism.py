@@ -105,6 +105,12 @@ def test_kernel_variants_give_the_same_bits(variant):
                 for passes in (1, 2):
                     assert torch.equal(getattr(ours, linear)(x, *args, n, b, passes),
                                        getattr(portable, linear)(x, *args, n, b, passes))
+    # SiLU-and-mul (AVX-512: fp32 rows 16 lanes a pass), widths with 8- and 1-lane tails.
+    for width in (4864, 8963, 13):
+        gate_up = torch.randn(7, 2 * width) * 6
+        gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps
+        for x in (gate_up, gate_up.bfloat16()):
+            assert torch.equal(ours.silu_mul(x), portable.silu_mul(x))
     # Decode attention: rows of one sequence and of others, contexts of odd and even lengths,
     # head sizes that take each values pass (D a multiple of 32, of 16 only, of 8 only).
     # Caches of each dtype (int8: q8_0 rows, for head sizes that are multiples of 32).

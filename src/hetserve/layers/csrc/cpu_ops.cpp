@@ -150,6 +150,17 @@ void silu_mul_rows(const T* xp, T* yp, int64_t T_, int64_t I) {
       const T *g = xp + t * 2 * I, *u = g + I;
       T* o = yp + t * I;
       int64_t j = 0;
+#if defined(__AVX512F__)
+      // 16 lanes a pass where the rows are fp32 (kernel prefill's gate_up), each lane the 8-lane
+      // pass's operations: the same bits. The 0.5B's SiLU of a 512-token chunk took 5% of its prefill.
+      if constexpr (std::is_same_v<T, float>)
+        for (; j + 16 <= I; j += 16) {
+          const __m512 gv = _mm512_loadu_ps(g + j);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                                _mm512_loadu_ps(u + j)));
+        }
+#endif
       for (; j + 8 <= I; j += 8) {
         const __m256 gv = load8(g + j);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
