@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from hetserve.layers import native
 from hetserve.layers.linear import Linear, MatmulPolicy
 from hetserve.layers.weight_formats import GROUP, WeightFormatUnavailable, kernels, quantize, resolve_weight_format
 
@@ -318,36 +319,46 @@ def test_prefetch_distances_never_change_a_result(fmt):
     qw = file_format(fmt, 16 * 9 + 3, 512, seed=5)[0] if fmt in FILE_FORMATS else quantize(torch.randn(147, 512), fmt)
     xs = [torch.randn(m, 512) for m in (1, 3, 9)]
     k = kernels()
-    before = [k.weight_prefetch(1), k.weight_prefetch(2)]
+    light = native.light_rows(native.variant())
+    before = [k.weight_prefetch(1), k.weight_prefetch(8)]
     try:
         expected = [qw.matmul(x, None) for x in xs]
-        for l1, l2 in ((0, 0), (4096, 0), (0, 8192), (1024, 8192), (1 << 20, 1 << 20)):
-            k.set_weight_prefetch(1, l1, l2)
-            k.set_weight_prefetch(2, l1, l2)
-            assert k.weight_prefetch(1) == (l1, l2)
-            for x, y in zip(xs, expected):
-                assert torch.equal(qw.matmul(x, None), y)
+        for rows in (1, 3):  # tiles of up to `rows` rows take the first distances
+            k.set_light_rows(rows)
+            for l1, l2 in ((0, 0), (4096, 0), (0, 8192), (1024, 8192), (1 << 20, 1 << 20)):
+                k.set_weight_prefetch(1, l1, l2)
+                k.set_weight_prefetch(8, l2, l1)
+                assert k.weight_prefetch(rows) == (l1, l2) and k.weight_prefetch(rows + 1) == (l2, l1)
+                for x, y in zip(xs, expected):
+                    assert torch.equal(qw.matmul(x, None), y)
         with pytest.raises(RuntimeError, match="0 .. 1 MiB"):
             k.set_weight_prefetch(1, -1, 0)
+        with pytest.raises(RuntimeError, match="light tiles"):
+            k.set_light_rows(0)
     finally:
+        k.set_light_rows(light)
         k.set_weight_prefetch(1, *before[0])
-        k.set_weight_prefetch(2, *before[1])
+        k.set_weight_prefetch(8, *before[1])
 
 
 def test_one_row_prefetch_follows_the_cpu(monkeypatch):
     """4 KiB into L1 only for the avx512 kernels on AMD CPUs from family 25 (Zen 4: measured there);
     the default everywhere else; the environment variable overrides, and a bad value says so."""
-    from hetserve.layers import native
-
     monkeypatch.delenv(native.PREFETCH_ENV, raising=False)
     assert native.one_row_prefetch("avx512", ("AuthenticAMD", 25)) == (4096, 0)
     assert native.one_row_prefetch("avx512", ("AuthenticAMD", 26)) == (4096, 0)
     assert native.one_row_prefetch("avx2", ("AuthenticAMD", 25)) == native.DEFAULT_PREFETCH
     assert native.one_row_prefetch("avx512", ("GenuineIntel", 6)) == native.DEFAULT_PREFETCH
     assert native.one_row_prefetch("avx2", ("AuthenticAMD", 23)) == native.DEFAULT_PREFETCH
-    # What the loaded kernels use is what this CPU's entry says.
-    assert kernels().weight_prefetch(1) == native.one_row_prefetch(native.variant())
-    assert kernels().weight_prefetch(2) == native.DEFAULT_PREFETCH
+    # Tiles of 2 rows join them on a Zen 5 only (measured there; a Zen 4's ran slower so).
+    assert native.light_rows("avx512", ("AuthenticAMD", 26)) == 2
+    assert native.light_rows("avx512", ("AuthenticAMD", 25)) == 1
+    assert native.light_rows("avx2", ("AuthenticAMD", 26)) == 1
+    assert native.light_rows("avx512", ("GenuineIntel", 6)) == 1
+    # What the loaded kernels use is what this CPU's entries say.
+    light = native.light_rows(native.variant())
+    assert kernels().weight_prefetch(light) == native.one_row_prefetch(native.variant())
+    assert kernels().weight_prefetch(light + 1) == native.DEFAULT_PREFETCH
     monkeypatch.setenv(native.PREFETCH_ENV, "2048,0")
     assert native.one_row_prefetch("avx2", ("GenuineIntel", 6)) == (2048, 0)
     monkeypatch.setenv(native.PREFETCH_ENV, "4k")

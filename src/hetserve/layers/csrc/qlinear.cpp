@@ -690,11 +690,17 @@ struct Int6KWeights {
 // decoded at 78.6-81.0 tok/s on 1 thread against 66.5-69.4 (3 rounds). At 2 and 4 rows L1 alone
 // was 0.87-0.89x (both prefetches stay there), and the AVX2 kernels on the same Zen 4 gained or
 // lost by format (int8 1.26x, int4 1.09x, q5_0 0.90x, q6_k 0.85x), so they keep the default.
+// On a Zen 5 EPYC tiles of 2 rows stream best with the 1-row distances too (g_light_rows 2, set
+// at load: native.light_rows): a 1.5B forward of 2 rows 1.07x, the 0.5B's 1.05x, its int4 draft's
+// 1.04x; 3-4 rows 1.01-1.03x, 5 and 8 rows 0.98x, so those keep both prefetches (the distances
+// alternated forward by forward in one process, 25 pairs each). A speculative 1.5B + 0.5B
+// generation (2-row verifications and draft catch-ups) ran 1.015x.
 // Prefetches never fault, so the last panels' reach past the end is harmless.
 struct PrefetchDistances {
   int64_t l1 = 1024, l2 = 8192;  // bytes ahead; 0: none at that level
 };
-PrefetchDistances g_prefetch[2];  // [0]: tiles of 1 row, [1]: of more (native.py sets [0] at load)
+PrefetchDistances g_prefetch[2];  // [0]: tiles of up to g_light_rows rows, [1]: of more (native.py sets [0] at load)
+int64_t g_light_rows = 1;
 
 // The `bytes` of a group, asked for l2 bytes ahead into L2 and l1 ahead into L1 (0: none).
 HS_PREFETCH void prefetch_group(const uint8_t* group, int64_t bytes, int64_t l1, int64_t l2) {
@@ -736,7 +742,8 @@ void tile(const W& w, const QuantX& xq, int64_t m0, int64_t p, int64_t N, const 
   VF acc[kHalves][R];
   for (int h = 0; h < kHalves; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = zerof();
-  const int64_t l1 = g_prefetch[R > 1].l1, l2 = g_prefetch[R > 1].l2;
+  const PrefetchDistances& pf = g_prefetch[R > g_light_rows];
+  const int64_t l1 = pf.l1, l2 = pf.l2;
   for (int64_t g = 0; g < w.G; ++g) {
     if constexpr (R >= W::kPrefetchRows && !kDec) prefetch_group(w.group(p, g), W::kBytes, l1, l2);
     VI dots[kHalves][R];
@@ -1114,10 +1121,18 @@ double int8_dot_peak(double seconds) {
 
 void set_weight_prefetch(int64_t rows, int64_t l1, int64_t l2) {
   TORCH_CHECK(l1 >= 0 && l2 >= 0 && l1 <= (1 << 20) && l2 <= (1 << 20), "prefetch distances must be 0 .. 1 MiB");
-  g_prefetch[rows > 1] = {l1, l2};
+  g_prefetch[rows > g_light_rows] = {l1, l2};
 }
 
-std::tuple<int64_t, int64_t> weight_prefetch(int64_t rows) { return {g_prefetch[rows > 1].l1, g_prefetch[rows > 1].l2}; }
+void set_light_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "light tiles: 1 ..", kMaxRows, " rows");
+  g_light_rows = rows;
+}
+
+std::tuple<int64_t, int64_t> weight_prefetch(int64_t rows) {
+  const PrefetchDistances& pf = g_prefetch[rows > g_light_rows];
+  return {pf.l1, pf.l2};
+}
 
 }  // namespace
 
@@ -1276,6 +1291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("bias"), py::arg("passes") = 1);
   m.def("set_weight_prefetch", &set_weight_prefetch, "bytes ahead of the weight stream prefetched into L1 and L2 (0: none)",
         py::arg("rows"), py::arg("l1"), py::arg("l2"));
+  m.def("set_light_rows", &set_light_rows, "tiles of up to this many rows take set_weight_prefetch(1, ...)'s distances",
+        py::arg("rows"));
   m.def("weight_prefetch", &weight_prefetch, "(L1, L2) prefetch distances in bytes", py::arg("rows"));
   m.def("int8_dot_peak", &int8_dot_peak, "multiply-adds x 2 a second of the kernels' byte dot instruction on every thread",
         py::arg("seconds"));
