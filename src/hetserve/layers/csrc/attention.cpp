@@ -69,7 +69,18 @@ inline float online_block(float* s, int64_t nb, float& m, float& l) {
   const float alpha = m == -INFINITY ? 0.f : m1 == m ? 1.f : exp1(m - m1);
   const __m256 m1v = _mm256_set1_ps(m1);
   __m256 sv = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= nb; t += 8) {
+  t = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // 16 scores an exp16 (exp8's operations a lane), their halves added to the 8-lane sum in the
+  // order the 8-lane loop adds them: the same bits, the exponentials in half the instructions.
+  const __m512 m1w = _mm512_set1_ps(m1);
+  for (; t + 16 <= nb; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m1w));
+    _mm512_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(_mm256_add_ps(sv, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+#endif
+  for (; t + 8 <= nb; t += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m1v));
     _mm256_storeu_ps(s + t, e);
     sv = _mm256_add_ps(sv, e);
