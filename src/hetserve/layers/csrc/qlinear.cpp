@@ -876,7 +876,7 @@ void pair_tile(const W& w, const uint8_t* dec, const QuantX& xq, int64_t m0, int
     // Q5_0's start is a broadcast from the row's `start16` (a load, where computing it took a
     // scalar multiply and a move to the vector unit: q5_0 1.03x at 512 rows); Q6_K's two halves
     // stay computed (as loads too they ran 0.92x: its tiles load more a group).
-    static_assert(W::kSubSums || W::kOffset == 0 || W::kOffset == 16, "pair tiles' offsets: Q5_0's or Q6_K's");
+    static_assert(W::kSubSums || W::kOffset == 0 || W::kOffset == 16, "pair tiles' offsets: none, Q5_0's 16 or Q6_K's halves");
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < S; ++h) {
         VI start = zero();
