@@ -119,8 +119,9 @@ inline void score_key(const float* q, const T* kt, int64_t D, float sc, float* p
 }
 
 // Keys t0 .. t1 of a context of n (a block): scores to p[j * kBlock + t - t0].
-template <int J, class T>
-void head_scores(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc, float* p) {
+template <int J, class T, int DC>
+void head_scores(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t Dr, float sc, float* p) {
+  const int64_t D = DC > 0 ? DC : Dr;
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_scores(k, t, n, D);
     score_key<J>(q, k[t], D, sc, p, t - t0);
@@ -135,8 +136,9 @@ void head_scores(const float* q, const T* const* k, int64_t t0, int64_t t1, int6
 // swept all the rows, each V line was fetched twice and, past a few hundred tokens, from DRAM
 // again. The values' requests: V rows two chunks ahead into L1, the next block's into L2. EB = 2
 // (a cache line) fits AVX2's 16 registers up to J = 6 (and needs D a multiple of 16).
-template <int J, int EB, class T>
-void head_values(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t D, float* out) {
+template <int J, int EB, class T, int DC>
+void head_values(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t Dr, float* out) {
+  const int64_t D = DC > 0 ? DC : Dr;
   for (int64_t t0 = b0; t0 < b1; t0 += kValueChunk) {
     const int64_t t1 = std::min(b1, t0 + kValueChunk);
     for (int64_t t = t0 + 2 * kValueChunk; t < std::min(b1, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
@@ -184,27 +186,48 @@ inline __m512 load_row16(const int8_t* row, int64_t e) {
 // the bits are the same and only the instruction count differs. Scores: two keys at a time, key
 // t in the low 8 lanes and t + 1 in the high 8, against the query broadcast to both halves.
 //
-// Four keys a pass (two registers of two), so each query load serves two FMAs, and the four
-// scores of a head are summed together (hsum4): at 8k tokens of context the one-by-one
-// horizontal sums were half the scores pass's instructions.
+// Four keys a pass (two registers of two), so each query load serves two FMAs, and the scores
+// of four keys and all J heads are summed together (store_scores4): at 8k tokens of context the
+// one-by-one horizontal sums were half the scores pass's instructions.
 
-// hsum of the 8-lane sums of keys t .. t + 3 (a: t | t + 1, b: t + 2 | t + 3), each added in
-// hsum's order ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), so the same bits, four at once.
-inline __m128 hsum4(__m512 a, __m512 b) {
-  const __m512 ha = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));  // x_i + x_{i+4}
-  const __m512 hb = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m128 qa = _mm512_castps512_ps128(ha), qb = _mm512_extractf32x4_ps(ha, 2);
-  const __m128 qc = _mm512_castps512_ps128(hb), qd = _mm512_extractf32x4_ps(hb, 2);
-  const __m128 rab = _mm_add_ps(_mm_unpacklo_ps(qa, qb), _mm_unpackhi_ps(qa, qb));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m128 rcd = _mm_add_ps(_mm_unpacklo_ps(qc, qd), _mm_unpackhi_ps(qc, qd));
-  return _mm_add_ps(_mm_movelh_ps(rab, rcd), _mm_movehl_ps(rcd, rab));
+// The scores of keys t .. t + 3 for J heads, from their 8-lane sums (acc[0][j]: key t | t + 1,
+// acc[1][j]: t + 2 | t + 3), each summed in hsum's order ((x0 + x4) + (x2 + x6)) + ((x1 + x5) +
+// (x3 + x7)), so the same bits, each shuffle and add serving several sums: x_i + x_{i+4} of a
+// head's four keys (a key a 128-bit lane), then the next level of two heads at once, then the
+// last of four heads at once, whose vector (a key a lane, a head an element) is transposed and
+// scaled into p[j * kBlock + s .. s + 3]. Summed head by head (an hsum of each head's four keys
+// together) this took about 17 operations a head and 4 keys; now about 7.
+template <int J>
+inline void store_scores4(const __m512 (&acc)[2][J], __m512 sc, float* p, int64_t s) {
+  __m512 y[J];  // lane k: key t + k's y_i = x_i + x_{i+4}, i = 0 .. 3
+  for (int j = 0; j < J; ++j)
+    y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0][j], acc[1][j], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(acc[0][j], acc[1][j], _MM_SHUFFLE(3, 1, 3, 1)));
+  constexpr int J2 = (J + 1) / 2, J4 = (J + 3) / 4;
+  __m512 z[J2];  // lane k: heads 2i and 2i + 1's y0 + y2, y1 + y3
+  for (int i = 0; i < J2; ++i) {
+    const __m512 a = y[2 * i], b = y[std::min(2 * i + 1, J - 1)];
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Lane k, element h: key t + k's score for head 4i + h; transposed to lane h, element k.
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int i = 0; i < J4; ++i) {
+    const __m512 a = z[2 * i], b = z[std::min(2 * i + 1, J2 - 1)];
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(transpose, w), sc);
+    _mm_storeu_ps(p + (4 * i) * kBlock + s, _mm512_castps512_ps128(v));
+    if (4 * i + 1 < J) _mm_storeu_ps(p + (4 * i + 1) * kBlock + s, _mm512_extractf32x4_ps(v, 1));
+    if (4 * i + 2 < J) _mm_storeu_ps(p + (4 * i + 2) * kBlock + s, _mm512_extractf32x4_ps(v, 2));
+    if (4 * i + 3 < J) _mm_storeu_ps(p + (4 * i + 3) * kBlock + s, _mm512_extractf32x4_ps(v, 3));
+  }
 }
 
-template <int J, class T>
-void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc,
+template <int J, class T, int DC>
+void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t Dr, float sc,
                       float* p) {
+  const int64_t D = DC > 0 ? DC : Dr;
   int64_t t = t0;
-  const __m128 scv = _mm_set1_ps(sc);
+  const __m512 scw = _mm512_set1_ps(sc);
   for (; t + 4 <= t1; t += 4) {
     for (int64_t i = 0; i < 4; ++i) prefetch_scores(k, t + i, n, D);
     __m512 acc[2][J];
@@ -218,7 +241,7 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
         acc[1][j] = _mm512_fmadd_ps(qb, k1, acc[1][j]);
       }
     }
-    for (int j = 0; j < J; ++j) _mm_storeu_ps(p + j * kBlock + t - t0, _mm_mul_ps(hsum4(acc[0][j], acc[1][j]), scv));
+    store_scores4<J>(acc, scw, p, t - t0);
   }
   for (; t + 2 <= t1; t += 2) {
     prefetch_scores(k, t, n, D);
@@ -243,8 +266,9 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
 
 // Values: 32 floats of D at a time, each 16-lane register two of head_values' 8-lane vectors
 // (needs D a multiple of 32); 32 registers hold J = 8 heads' sums.
-template <int J, class T>
-void head_values_wide(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t D, float* out) {
+template <int J, class T, int DC>
+void head_values_wide(const float* p, const T* const* v, int64_t b0, int64_t b1, int64_t n, int64_t Dr, float* out) {
+  const int64_t D = DC > 0 ? DC : Dr;
   for (int64_t t0 = b0; t0 < b1; t0 += kValueChunk) {
     const int64_t t1 = std::min(b1, t0 + kValueChunk);
     for (int64_t t = t0 + 2 * kValueChunk; t < std::min(b1, t0 + 3 * kValueChunk); ++t) prefetch_row(v[t], D);
@@ -274,30 +298,43 @@ template <class T>
 using ScoresFn = void (*)(const float*, const T* const*, int64_t, int64_t, int64_t, int64_t, float, float*);
 template <class T>
 using ValuesFn = void (*)(const float*, const T* const*, int64_t, int64_t, int64_t, int64_t, float*);
-template <class T>
-constexpr ScoresFn<T> kHeadScores[8] = {
+// [kDims] the head size the passes take: 0 any (a run-time D), 1 D = 64, 2 D = 128, each loop
+// over D unrolled at compile time. At 8k tokens of context this took a layer's decode attention
+// on a Zen 5 from 134 to 120 us (the 0.5B's heads, in cache) and 1.05-1.18x from memory.
+constexpr int kDims = 3;
+inline int dims_slot(int64_t D) { return D == 64 ? 1 : D == 128 ? 2 : 0; }
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-    head_scores_wide<1, T>, head_scores_wide<2, T>, head_scores_wide<3, T>, head_scores_wide<4, T>,
-    head_scores_wide<5, T>, head_scores_wide<6, T>, head_scores_wide<7, T>, head_scores_wide<8, T>};
-#else
-    head_scores<1, T>, head_scores<2, T>, head_scores<3, T>, head_scores<4, T>,
-    head_scores<5, T>, head_scores<6, T>, head_scores<7, T>, head_scores<8, T>};
-#endif
-// EB = 2 where it fits (J <= 6, D a multiple of 16), else 1.
-// kHeadValues<T>[1] where D is a multiple of kWideValues.
-template <class T>
-constexpr ValuesFn<T> kHeadValues[2][8] = {
-    {head_values<1, 1, T>, head_values<2, 1, T>, head_values<3, 1, T>, head_values<4, 1, T>,
-     head_values<5, 1, T>, head_values<6, 1, T>, head_values<7, 1, T>, head_values<8, 1, T>},
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    {head_values_wide<1, T>, head_values_wide<2, T>, head_values_wide<3, T>, head_values_wide<4, T>,
-     head_values_wide<5, T>, head_values_wide<6, T>, head_values_wide<7, T>, head_values_wide<8, T>}};
+#define HS_SCORES(DC)                                                                           \
+  {head_scores_wide<1, T, DC>, head_scores_wide<2, T, DC>, head_scores_wide<3, T, DC>,             \
+   head_scores_wide<4, T, DC>, head_scores_wide<5, T, DC>, head_scores_wide<6, T, DC>,             \
+   head_scores_wide<7, T, DC>, head_scores_wide<8, T, DC>}
+#define HS_VALUES(DC)                                                                           \
+  {head_values_wide<1, T, DC>, head_values_wide<2, T, DC>, head_values_wide<3, T, DC>,             \
+   head_values_wide<4, T, DC>, head_values_wide<5, T, DC>, head_values_wide<6, T, DC>,             \
+   head_values_wide<7, T, DC>, head_values_wide<8, T, DC>}
 constexpr int64_t kWideValues = 32;
 #else
-    {head_values<1, 2, T>, head_values<2, 2, T>, head_values<3, 2, T>, head_values<4, 2, T>,
-     head_values<5, 2, T>, head_values<6, 2, T>, head_values<7, 1, T>, head_values<8, 1, T>}};
+#define HS_SCORES(DC)                                                                           \
+  {head_scores<1, T, DC>, head_scores<2, T, DC>, head_scores<3, T, DC>, head_scores<4, T, DC>,     \
+   head_scores<5, T, DC>, head_scores<6, T, DC>, head_scores<7, T, DC>, head_scores<8, T, DC>}
+// EB = 2 where it fits (J <= 6, D a multiple of 16), else 1.
+#define HS_VALUES(DC)                                                                           \
+  {head_values<1, 2, T, DC>, head_values<2, 2, T, DC>, head_values<3, 2, T, DC>,                   \
+   head_values<4, 2, T, DC>, head_values<5, 2, T, DC>, head_values<6, 2, T, DC>,                   \
+   head_values<7, 1, T, DC>, head_values<8, 1, T, DC>}
 constexpr int64_t kWideValues = 16;
 #endif
+template <class T>
+constexpr ScoresFn<T> kHeadScores[kDims][8] = {HS_SCORES(0), HS_SCORES(64), HS_SCORES(128)};
+// kHeadValues<T>[0]: one vector at a time, any D; [1 + dims_slot(D)] where D is a multiple of
+// kWideValues.
+template <class T>
+constexpr ValuesFn<T> kHeadValues[1 + kDims][8] = {
+    {head_values<1, 1, T, 0>, head_values<2, 1, T, 0>, head_values<3, 1, T, 0>, head_values<4, 1, T, 0>,
+     head_values<5, 1, T, 0>, head_values<6, 1, T, 0>, head_values<7, 1, T, 0>, head_values<8, 1, T, 0>},
+    HS_VALUES(0), HS_VALUES(64), HS_VALUES(128)};
+#undef HS_SCORES
+#undef HS_VALUES
 
 }  // namespace
 
@@ -353,6 +390,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
       TORCH_CHECK(tp[r * P + i] >= 0 && (tp[r * P + i] + 1) * page_size <= S, "page out of range");
   }
   const int64_t g = H / KVH;
+  const int dims = dims_slot(D);
   TORCH_CHECK(g <= 64, "at most 64 query heads per KV head");
   // Work items: a short row's KV heads one by one over its whole context, a long row's segments
   // over all its heads. A segment leaves its heads' running max, sum and weighted values in
@@ -414,14 +452,14 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
             const C* const* vr = vrows[h].data() - t0;
             float *mh = m.data() + h * g, *lh = l.data() + h * g, *ah = acc.data() + h * g * D;
             for (int64_t j0 = 0; j0 < g; j0 += 8)
-              kHeadScores<C>[std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, kr, b0, b1, e, D, sc,
+              kHeadScores<C>[dims][std::min<int64_t>(8, g - j0) - 1](qh + j0 * D, kr, b0, b1, e, D, sc,
                                                                p.data() + j0 * kBlock);
             for (int64_t j = 0; j < g; ++j) {
               const float alpha = online_block(p.data() + j * kBlock, b1 - b0, mh[j], lh[j]);
               if (b0 > t0 && alpha != 1.f) scale_row(ah + j * D, alpha, ah + j * D, D);
             }
             for (int64_t j0 = 0; j0 < g; j0 += 8)
-              kHeadValues<C>[D % kWideValues == 0][std::min<int64_t>(8, g - j0) - 1](
+              kHeadValues<C>[D % kWideValues == 0 ? 1 + dims : 0][std::min<int64_t>(8, g - j0) - 1](
                   p.data() + j0 * kBlock, vr, b0, b1, e, D, ah + j0 * D);
           }
         }
