@@ -232,14 +232,33 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
     for (int64_t i = 0; i < 4; ++i) prefetch_scores(k, t + i, n, D);
     __m512 acc[2][J];
     for (int j = 0; j < J; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < D; e += 8) {
-      const __m512 k0 = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1);
-      const __m512 k1 = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t + 2], e)), load_row8(k[t + 3], e), 1);
+    const auto step = [&](__m512 k0, __m512 k1, int64_t e) {
       for (int j = 0; j < J; ++j) {
         const __m512 qb = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e));
         acc[0][j] = _mm512_fmadd_ps(qb, k0, acc[0][j]);
         acc[1][j] = _mm512_fmadd_ps(qb, k1, acc[1][j]);
       }
+    };
+    if constexpr (std::is_same_v<T, int8_t>) {
+      // q8_0 rows a block of 32 at a time: the four keys' scales read once a block, two keys'
+      // values widened as one register (load_row8's values: q * d, exact in fp32).
+      for (int64_t b = 0; b < D; b += kQ8Block) {
+        float d[4];
+        const int8_t* qv[4];
+        for (int i = 0; i < 4; ++i) qv[i] = q8_value(k[t + i], b, &d[i]);
+        const __m512 d01 = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
+        const __m512 d23 = _mm512_insertf32x8(_mm512_set1_ps(d[2]), _mm256_set1_ps(d[3]), 1);
+        const auto pair = [&](int i, int64_t e, __m512 dd) {
+          const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qv[i] + e)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qv[i + 1] + e)));
+          return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), dd);
+        };
+        for (int64_t e = 0; e < kQ8Block; e += 8) step(pair(0, e, d01), pair(2, e, d23), b + e);
+      }
+    } else {
+      for (int64_t e = 0; e < D; e += 8)
+        step(_mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1),
+             _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t + 2], e)), load_row8(k[t + 3], e), 1), e);
     }
     store_scores4<J>(acc, scw, p, t - t0);
   }
