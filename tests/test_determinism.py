@@ -112,17 +112,20 @@ def test_kernel_variants_give_the_same_bits(variant):
         for x in (gate_up, gate_up.bfloat16()):
             assert torch.equal(ours.silu_mul(x), portable.silu_mul(x))
     # Decode attention: rows of one sequence and of others, contexts of odd and even lengths,
-    # head sizes that take each values pass (D a multiple of 32, of 16 only, of 8 only).
-    # Caches of each dtype (int8: q8_0 rows, for head sizes that are multiples of 32).
+    # head sizes that take each values pass (D a multiple of 32, of 16 only, of 8 only) and the
+    # passes compiled for D = 64 and 128, 1 to 8 query heads a KV head (each count of the scores'
+    # registers and of their sums across heads) and 13 (8, then 5). Caches of each dtype (int8:
+    # q8_0 rows, for head sizes that are multiples of 32).
     from hetserve.layers import kv_quant
 
-    for heads, kv_heads, d in [(14, 2, 64), (12, 2, 128), (8, 1, 48), (3, 3, 40), (16, 2, 32)]:
+    for heads, kv_heads, d in [(14, 2, 64), (12, 2, 128), (8, 1, 48), (3, 3, 40), (16, 2, 32), (4, 2, 64),
+                               (12, 4, 64), (8, 2, 128), (10, 2, 64), (13, 1, 64)]:
         slots = 64 * 16
         k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
         lens = torch.tensor([1, 2, 37, 38, 39, 600, 1001])
         tables = torch.stack([torch.randperm(64) for _ in lens])
         q = torch.randn(len(lens), heads, d)
-        for dtype in (torch.float32, torch.float16, torch.int8):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             if dtype == torch.int8 and d % 32:
                 continue
             kc, vc = ((kv_quant.quantize(c) if dtype == torch.int8 else c.to(dtype)) for c in (k_cache, v_cache))
