@@ -181,6 +181,12 @@ inline __m512 load_row16(const int8_t* row, int64_t e) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d));
 }
 
+// Values e .. e + 8 of key rows a and b as one register, a's in the low 8 lanes.
+template <class T>
+inline __m512 key_pair(const T* a, const T* b, int64_t e) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(a, e)), load_row8(b, e), 1);
+}
+
 // The avx512 build's passes: 16 lanes a register, each lane the same FMA chain as in the AVX2
 // functions above (the same products, added in the same order, the same horizontal sums), so
 // the bits are the same and only the instruction count differs. Scores: two keys at a time, key
@@ -257,8 +263,7 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
       }
     } else {
       for (int64_t e = 0; e < D; e += 8)
-        step(_mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1),
-             _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t + 2], e)), load_row8(k[t + 3], e), 1), e);
+        step(key_pair(k[t], k[t + 1], e), key_pair(k[t + 2], k[t + 3], e), e);
     }
     store_scores4<J>(acc, scw, p, t - t0);
   }
@@ -268,7 +273,7 @@ void head_scores_wide(const float* q, const T* const* k, int64_t t0, int64_t t1,
     __m512 acc[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
-      const __m512 kv = _mm512_insertf32x8(_mm512_castps256_ps512(load_row8(k[t], e)), load_row8(k[t + 1], e), 1);
+      const __m512 kv = key_pair(k[t], k[t + 1], e);
       for (int j = 0; j < J; ++j)
         acc[j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j * D + e)), kv, acc[j]);
     }
